@@ -1,0 +1,1 @@
+"""Client tools: call, replay, load."""

@@ -1,0 +1,97 @@
+"""`echo`: the plumbing oracle. What goes in comes back, in order.
+
+Client stream `audio_in` (16 kHz PCM16, 80 ms frames) -> partition `Encoder`
+(frame energy) -> edge `frames` -> partition `Talker`, which emits one output per
+frame and finishes with usage {"frames": N}. Two partitions, so the
+inter-partition stream crosses the bus.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+
+from duplexbus.shared.chunking import CatchUpChunkPolicy, Item
+from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
+from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+
+SAMPLE_RATE = 16_000
+FRAME = 1280  # 80 ms
+
+
+def frame_rms(frame: np.ndarray) -> float:
+    if not len(frame):
+        return 0.0
+    return float(np.sqrt(np.mean(frame.astype(np.float64) ** 2)))
+
+
+class Encoder(Partition):
+    def __init__(self) -> None:
+        self._calls: set[str] = set()
+
+    def open_call(self, call: CallInfo) -> None:
+        self._calls.add(call.cid)
+
+    def step(self, batch: list[StepInput]) -> list[Emission]:
+        out: list[Emission] = []
+        for s in batch:
+            chunk = s.chunks.get("audio_in")
+            if chunk is None:
+                continue
+            for item in chunk.items:
+                assert item.data is not None
+                out.append(EdgeItem(s.cid, "frames", Item(item.data, {"rms": frame_rms(item.data)})))
+        return out
+
+    def close_call(self, cid: str) -> dict[str, Any]:
+        self._calls.discard(cid)
+        return {}
+
+
+class Talker(Partition):
+    def __init__(self) -> None:
+        self._frames: dict[str, int] = {}
+
+    def open_call(self, call: CallInfo) -> None:
+        self._frames[call.cid] = 0
+
+    def step(self, batch: list[StepInput]) -> list[Emission]:
+        out: list[Emission] = []
+        for s in batch:
+            chunk = s.chunks.get("frames")
+            if chunk is None:
+                continue
+            for item in chunk.items:
+                assert item.data is not None
+                i = self._frames[s.cid]
+                self._frames[s.cid] = i + 1
+                audio = base64.b64encode(np.asarray(item.data, dtype="<i2").tobytes()).decode()
+                out.append(Output(s.cid, {"frame": i, "audio": audio, "rms": item.meta.get("rms", 0.0)}))
+        return out
+
+    def close_call(self, cid: str) -> dict[str, Any]:
+        return {"frames": self._frames.pop(cid, 0)}
+
+
+class EchoModel(Model):
+    name = "echo"
+
+    def __init__(self) -> None:
+        self.topology = PartitionTopology(
+            partitions=["Encoder", "Talker"],
+            connections=[
+                Connection(
+                    CLIENT,
+                    "Encoder",
+                    "audio_in",
+                    lambda: CatchUpChunkPolicy(64),
+                    ClientStreamLimits(max_items=None, item_size=FRAME, unit="samples", sample_rate=SAMPLE_RATE),
+                ),
+                Connection("Encoder", "Talker", "frames", lambda: CatchUpChunkPolicy(64)),
+            ],
+        )
+
+    def create_partition(self, name: str) -> Partition:
+        return {"Encoder": Encoder, "Talker": Talker}[name]()

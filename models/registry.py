@@ -1,0 +1,25 @@
+"""Model names to model classes. Imports are lazy: `echo` must not pay for torch."""
+
+from __future__ import annotations
+
+import importlib
+
+from duplexbus.shared.errors import BadRequest
+from duplexbus.shared.model import Model
+
+MODELS: dict[str, str] = {
+    "echo": "duplexbus.models.echo:EchoModel",
+    "tiny_duplex": "duplexbus.models.tiny_duplex:TinyDuplexModel",
+    "voice_assistant": "duplexbus.models.voice_assistant:VoiceAssistantModel",
+}
+
+_cache: dict[str, Model] = {}
+
+
+def get_model(name: str) -> Model:
+    if name not in MODELS:
+        raise BadRequest(f"unknown model {name!r}; served: {sorted(MODELS)}")
+    if name not in _cache:
+        module, cls = MODELS[name].split(":")
+        _cache[name] = getattr(importlib.import_module(module), cls)()
+    return _cache[name]

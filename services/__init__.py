@@ -1,0 +1,1 @@
+"""The three processes: frontend, conductor, worker."""

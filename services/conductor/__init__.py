@@ -1,0 +1,1 @@
+"""Conductor: admission, placement, end-of-input and completion tracking."""

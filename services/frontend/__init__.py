@@ -1,0 +1,1 @@
+"""Frontend: sockets, protocol parsing, per-call input state, relaying outputs."""

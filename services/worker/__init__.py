@@ -1,0 +1,1 @@
+"""Worker: stream buffers, chunk policies, batched steps across calls."""

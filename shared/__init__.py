@@ -1,0 +1,1 @@
+"""Code shared by every service: wire schema, subjects, model API, config, errors."""

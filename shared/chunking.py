@@ -1,0 +1,161 @@
+"""Stream items, chunks and chunk policies (pure, no I/O).
+
+A stream is a sequence of items numbered from 0. A chunk policy decides when
+buffered items are released to the partition and how they are collated into
+one chunk. End of a stream is a count: the buffer is complete once it has seen
+that many items, whatever order the items and the count arrived in.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from duplexbus.shared.errors import LimitExceeded, ProtocolError
+
+
+@dataclass
+class Item:
+    """One stream item: an optional tensor and free-form metadata."""
+
+    data: np.ndarray | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Chunk:
+    """Items released together. `data` is the items' tensors concatenated on axis 0."""
+
+    items: list[Item]
+    first_seq: int
+    last: bool = False  # the stream ends with this chunk
+
+    @property
+    def data(self) -> np.ndarray | None:
+        arrays = [i.data for i in self.items if i.data is not None]
+        if not arrays:
+            return None
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class ChunkPolicy(ABC):
+    """Decides how many of the buffered items form the next chunk."""
+
+    @abstractmethod
+    def take(self, available: int, complete: bool) -> int:
+        """How many items to release now (0: wait). `complete`: no more will come."""
+
+
+class FixedChunkPolicy(ChunkPolicy):
+    """Chunks of exactly `chunk_size` items; the last, shorter chunk is flushed at the end."""
+
+    def __init__(self, chunk_size: int = 1) -> None:
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        self.chunk_size = chunk_size
+
+    def take(self, available: int, complete: bool) -> int:
+        if available >= self.chunk_size:
+            return self.chunk_size
+        return available if complete else 0
+
+
+class CatchUpChunkPolicy(ChunkPolicy):
+    """Everything buffered, up to `max_items`: a call that fell behind catches up in one step."""
+
+    def __init__(self, max_items: int = 64) -> None:
+        if max_items < 1:
+            raise ValueError("max_items must be >= 1")
+        self.max_items = max_items
+
+    def take(self, available: int, complete: bool) -> int:
+        return min(available, self.max_items)
+
+
+class StreamBuffer:
+    """Reorders, deduplicates and bounds one call's items on one edge.
+
+    Items may arrive twice (live subscription and catch-up read overlap) or out of
+    order; each seq is kept once. At most `capacity` items wait here: the caller
+    must stop reading (or fail the call) when `full` is true.
+    """
+
+    def __init__(self, policy: ChunkPolicy, capacity: int = 4096) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self._ready: deque[Item] = deque()  # contiguous from self._next_release
+        self._pending: dict[int, Item] = {}  # arrived ahead of a gap
+        self._next_release = 0  # seq of the first item in _ready
+        self._next_expected = 0  # seq that would extend _ready
+        self.total: int | None = None  # count from the end-of-stream message
+        self.finished = False  # the last chunk has been released
+
+    @property
+    def buffered(self) -> int:
+        return len(self._ready) + len(self._pending)
+
+    @property
+    def full(self) -> bool:
+        return self.buffered >= self.capacity
+
+    @property
+    def received(self) -> int:
+        """Items received in order so far (released or not)."""
+        return self._next_expected
+
+    @property
+    def complete(self) -> bool:
+        return self.total is not None and self._next_expected >= self.total
+
+    def push(self, seq: int, item: Item) -> bool:
+        """Add an item; False if it was a duplicate."""
+        if seq < self._next_expected or seq in self._pending:
+            return False
+        if self.total is not None and seq >= self.total:
+            raise ProtocolError(f"item {seq} past the stream's end ({self.total} items)")
+        if self.full:
+            raise LimitExceeded("stream_buffer", f"more than {self.capacity} items buffered")
+        if seq == self._next_expected:
+            self._ready.append(item)
+            self._next_expected += 1
+            while self._next_expected in self._pending:
+                self._ready.append(self._pending.pop(self._next_expected))
+                self._next_expected += 1
+        else:
+            self._pending[seq] = item
+        return True
+
+    def end(self, total: int) -> None:
+        if self.total is not None and self.total != total:
+            raise ProtocolError(f"stream ended twice with different counts ({self.total}, {total})")
+        if total < self._next_expected or any(s >= total for s in self._pending):
+            raise ProtocolError(f"end count {total} is below items already received")
+        self.total = total
+
+    def has_chunk(self) -> bool:
+        if self.finished:
+            return False
+        if self.complete and not self._ready:
+            return True  # an empty final chunk tells the partition the stream ended
+        return self.policy.take(len(self._ready), self.complete) > 0
+
+    def pop_chunk(self) -> Chunk | None:
+        if self.finished:
+            return None
+        n = self.policy.take(len(self._ready), self.complete)
+        if n == 0 and not (self.complete and not self._ready):
+            return None
+        items = [self._ready.popleft() for _ in range(n)]
+        chunk = Chunk(items=items, first_seq=self._next_release)
+        self._next_release += n
+        if self.complete and not self._ready:
+            chunk.last = True
+            self.finished = True
+        return chunk

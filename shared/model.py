@@ -1,0 +1,148 @@
+"""The model API: what a model declares, and the partitions a worker runs.
+
+A model is used on both sides of the bus. The frontend calls `process_prompt` and
+`process_stream_chunk` (stateless: client input to stream data keyed by client
+edge). A worker calls `create_partition(name)` once and then steps the partition
+over many calls at once. Per-call state lives inside the partition, keyed by cid.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from duplexbus.shared.audio import decode_audio_file
+from duplexbus.shared.chunking import Chunk, Item
+from duplexbus.shared.errors import BadRequest
+from duplexbus.shared.topology import Connection, PartitionTopology
+
+
+@dataclass
+class ClientFile:
+    name: str
+    data: bytes
+    stream: str | None = None
+
+
+@dataclass
+class ClientInput:
+    """One opening or append, parsed and decoded from base64."""
+
+    text: str | None = None
+    files: list[ClientFile] = field(default_factory=list)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+StreamInput = np.ndarray | list[Item]
+"""Raw units (cut into items by the frontend's framer) or ready-made items."""
+
+
+@dataclass
+class CallInfo:
+    """What a partition learns about a call when it starts."""
+
+    cid: str
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepInput:
+    """One call's share of a batched step."""
+
+    cid: str
+    chunks: dict[str, Chunk]  # edge -> the chunk released this step
+    inputs_ended: bool = False  # every input stream has ended and been released
+
+
+@dataclass
+class Output:
+    """An event for the client (relayed verbatim as `output`)."""
+
+    cid: str
+    data: dict[str, Any]
+
+
+@dataclass
+class EdgeItem:
+    """An item for the partition at the other end of `edge`."""
+
+    cid: str
+    edge: str
+    item: Item
+
+
+Emission = Output | EdgeItem
+
+
+class Partition(ABC):
+    """One stage of a model, batched across calls. No I/O here."""
+
+    @abstractmethod
+    def open_call(self, call: CallInfo) -> None: ...
+
+    @abstractmethod
+    def step(self, batch: list[StepInput]) -> list[Emission]:
+        """One batched forward pass over the given calls' ready chunks."""
+
+    @abstractmethod
+    def close_call(self, cid: str) -> dict[str, Any]:
+        """Drop the call's state; return its usage."""
+
+    def wants_step(self, cid: str) -> bool:
+        """True while the partition has work for `cid` without new input (e.g. paced audio)."""
+        return False
+
+    def drop_call(self, cid: str) -> None:
+        """The call was aborted: drop its state without usage."""
+        self.close_call(cid)
+
+
+class Model(ABC):
+    """A servable model: its topology, client-input processing and partitions."""
+
+    name: ClassVar[str]
+    topology: PartitionTopology
+
+    def client_edges(self) -> dict[str, Connection]:
+        return self.topology.client_edges()
+
+    def default_stream(self) -> str | None:
+        """The model's one audio stream, if it has exactly one."""
+        audio = [e for e, c in self.client_edges().items() if c.limits and c.limits.sample_rate]
+        return audio[0] if len(audio) == 1 else None
+
+    def text_stream(self) -> str | None:
+        return None
+
+    def process_prompt(self, opening: ClientInput) -> dict[str, StreamInput]:
+        return self.process_stream_chunk(opening)
+
+    def process_stream_chunk(self, append: ClientInput) -> dict[str, StreamInput]:
+        """Decode one append into stream data keyed by client edge."""
+        edges = self.client_edges()
+        out: dict[str, list[np.ndarray]] = {}
+        items: dict[str, list[Item]] = {}
+        for f in append.files:
+            edge = f.stream or self.default_stream()
+            if edge is None:
+                raise BadRequest(f"file {f.name!r} names no stream and the model has no single audio stream")
+            conn = edges.get(edge)
+            if conn is None:
+                raise BadRequest(f"unknown stream {edge!r}; this model's streams: {sorted(edges)}")
+            limits = conn.limits
+            assert limits is not None
+            if limits.sample_rate is None:
+                raise BadRequest(f"stream {edge!r} takes no files")
+            out.setdefault(edge, []).append(decode_audio_file(f.name, f.data, limits.sample_rate))
+        text_edge = self.text_stream()
+        if append.text and text_edge is not None:
+            items.setdefault(text_edge, []).append(Item(meta={"text": append.text}))
+        result: dict[str, StreamInput] = {e: (a[0] if len(a) == 1 else np.concatenate(a)) for e, a in out.items()}
+        result.update(items)
+        return result
+
+    @abstractmethod
+    def create_partition(self, name: str) -> Partition: ...
