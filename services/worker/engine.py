@@ -1,0 +1,322 @@
+"""The worker engine's pure core: stream buffers, chunk policies, batched steps.
+
+No I/O here. The service feeds items and end counts in (`push`, `end`), asks for
+the next batch (`next_batch`), runs the partition's `step` off the event loop, and
+turns the emissions into actions to publish (`complete`). `LocalPipeline` runs a
+whole model through these cores in one process, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
+from duplexbus.shared.errors import DuplexError, LimitExceeded, ProtocolError
+from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
+from duplexbus.shared.topology import PartitionTopology
+
+
+class CallState(enum.Enum):
+    RUNNING = "running"  # inputs still open
+    DRAINING = "draining"  # inputs ended; the partition still has work (wants_step)
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+_TRANSITIONS = {
+    CallState.RUNNING: {CallState.DRAINING, CallState.FINISHED, CallState.FAILED},
+    CallState.DRAINING: {CallState.FINISHED, CallState.FAILED},
+    CallState.FINISHED: set(),
+    CallState.FAILED: set(),
+}
+
+
+# Actions for the shell to carry out, in order.
+@dataclass(frozen=True)
+class PublishOutput:
+    cid: str
+    seq: int
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PublishEdgeItem:
+    cid: str
+    edge: str
+    seq: int
+    item: Item
+
+
+@dataclass(frozen=True)
+class PublishEdgeEnd:
+    cid: str
+    edge: str
+    total: int
+
+
+@dataclass(frozen=True)
+class PublishDone:
+    cid: str
+    outputs: int
+    usage: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FailCall:
+    cid: str
+    error: DuplexError
+
+
+Action = PublishOutput | PublishEdgeItem | PublishEdgeEnd | PublishDone | FailCall
+
+
+@dataclass
+class _Call:
+    cid: str
+    buffers: dict[str, StreamBuffer]
+    out_edges: dict[str, int]  # edge -> items sent so far
+    state: CallState = CallState.RUNNING
+    outputs: int = 0
+    last_step: int = -1  # step number this call was last served (fairness: least recent first)
+    in_flight: bool = False  # part of the batch being stepped now
+
+    def move(self, to: CallState) -> None:
+        if to not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"call {self.cid}: {self.state.value} -> {to.value} is not allowed")
+        self.state = to
+
+    @property
+    def inputs_ended(self) -> bool:
+        return all(b.finished for b in self.buffers.values())
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    chunks: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Runs one partition of one model over many calls."""
+
+    def __init__(
+        self,
+        partition_name: str,
+        topology: PartitionTopology,
+        partition: Partition,
+        max_batch: int = 64,
+        buffer_capacity: int = 4096,
+    ) -> None:
+        self.name = partition_name
+        self.partition = partition
+        self.max_batch = max_batch
+        self.buffer_capacity = buffer_capacity
+        self.inputs = topology.inputs_of(partition_name)
+        self.outputs = [c.edge_name for c in topology.outputs_of(partition_name)]
+        self._calls: dict[str, _Call] = {}
+        self._step_no = 0
+        self.stats = EngineStats()
+
+    # -- calls -------------------------------------------------------------
+    def __contains__(self, cid: str) -> bool:
+        return cid in self._calls
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def input_edges(self) -> list[str]:
+        return [c.edge_name for c in self.inputs]
+
+    def add_call(self, cid: str, model_kwargs: dict[str, Any] | None = None) -> None:
+        if cid in self._calls:
+            return  # a repeated assignment (conductor retry) is harmless
+        buffers = {c.edge_name: StreamBuffer(c.chunk_policy_factory(), self.buffer_capacity) for c in self.inputs}
+        self.partition.open_call(CallInfo(cid, dict(model_kwargs or {})))
+        self._calls[cid] = _Call(cid, buffers, dict.fromkeys(self.outputs, 0))
+
+    def drop_call(self, cid: str) -> None:
+        """Aborted or failed elsewhere: forget it without a done."""
+        call = self._calls.pop(cid, None)
+        if call is not None:
+            self.partition.drop_call(cid)
+
+    def push(self, cid: str, edge: str, seq: int, item: Item) -> list[Action]:
+        call = self._calls.get(cid)
+        if call is None or call.state in (CallState.FINISHED, CallState.FAILED):
+            return []
+        buf = call.buffers.get(edge)
+        if buf is None:
+            return self._fail(call, ProtocolError(f"partition {self.name} has no input edge {edge!r}"))
+        try:
+            buf.push(seq, item)
+        except (ProtocolError, LimitExceeded) as e:
+            return self._fail(call, e)
+        return []
+
+    def end(self, cid: str, edge: str, total: int) -> list[Action]:
+        call = self._calls.get(cid)
+        if call is None or call.state in (CallState.FINISHED, CallState.FAILED):
+            return []
+        buf = call.buffers.get(edge)
+        if buf is None:
+            return self._fail(call, ProtocolError(f"partition {self.name} has no input edge {edge!r}"))
+        try:
+            buf.end(total)
+        except ProtocolError as e:
+            return self._fail(call, e)
+        return []
+
+    def _fail(self, call: _Call, error: DuplexError) -> list[Action]:
+        call.move(CallState.FAILED)
+        del self._calls[call.cid]
+        self.partition.drop_call(call.cid)
+        return [FailCall(call.cid, error)]
+
+    # -- stepping ------------------------------------------------------------
+    def _wants(self, call: _Call) -> bool:
+        if call.in_flight:
+            return False
+        if any(b.has_chunk() for b in call.buffers.values()):
+            return True
+        return call.state is CallState.DRAINING or self.partition.wants_step(call.cid)
+
+    def has_work(self) -> bool:
+        return any(self._wants(c) for c in self._calls.values())
+
+    def next_batch(self) -> list[StepInput]:
+        """Up to max_batch calls, one chunk per input edge each, least recently served first."""
+        ready = [c for c in self._calls.values() if self._wants(c)]
+        ready.sort(key=lambda c: c.last_step)
+        batch: list[StepInput] = []
+        for call in ready[: self.max_batch]:
+            chunks: dict[str, Chunk] = {}
+            for edge, buf in call.buffers.items():
+                chunk = buf.pop_chunk()
+                if chunk is not None:
+                    chunks[edge] = chunk
+            call.in_flight = True
+            call.last_step = self._step_no
+            batch.append(StepInput(call.cid, chunks, inputs_ended=call.inputs_ended))
+        self._step_no += 1
+        return batch
+
+    def step(self) -> list[Action]:
+        """next_batch, step and complete in one go (the shell splits them to step off-loop)."""
+        batch = self.next_batch()
+        if not batch:
+            return []
+        return self.complete(batch, self.partition.step(batch))
+
+    def complete(self, batch: list[StepInput], emissions: Iterable[Emission]) -> list[Action]:
+        actions: list[Action] = []
+        self.stats.steps += 1
+        self.stats.chunks += sum(len(s.chunks) for s in batch)
+        self.stats.batch_sizes.append(len(batch))
+        if len(self.stats.batch_sizes) > 10_000:
+            del self.stats.batch_sizes[:5_000]
+        for e in emissions:
+            call = self._calls.get(e.cid)
+            if call is None or call.state is CallState.FAILED:
+                continue  # dropped while stepping
+            if isinstance(e, Output):
+                actions.append(PublishOutput(e.cid, call.outputs, e.data))
+                call.outputs += 1
+            elif isinstance(e, EdgeItem):
+                if e.edge not in call.out_edges:
+                    raise ValueError(f"partition {self.name} emitted on {e.edge!r}, not one of its edges {self.outputs}")
+                actions.append(PublishEdgeItem(e.cid, e.edge, call.out_edges[e.edge], e.item))
+                call.out_edges[e.edge] += 1
+        for s in batch:
+            call = self._calls.get(s.cid)
+            if call is None:
+                continue
+            call.in_flight = False
+            if not call.inputs_ended:
+                continue
+            if self.partition.wants_step(call.cid):
+                if call.state is CallState.RUNNING:
+                    call.move(CallState.DRAINING)
+                continue
+            actions.extend(self._finish(call))
+        return actions
+
+    def _finish(self, call: _Call) -> list[Action]:
+        call.move(CallState.FINISHED)
+        del self._calls[call.cid]
+        usage = self.partition.close_call(call.cid)
+        actions: list[Action] = [PublishEdgeEnd(call.cid, e, n) for e, n in call.out_edges.items()]
+        actions.append(PublishDone(call.cid, call.outputs, usage))
+        return actions
+
+
+@dataclass
+class PipelineResult:
+    outputs: list[tuple[str, dict[str, Any]]]  # (partition, data) in emission order
+    usage: dict[str, dict[str, Any]]
+    errors: list[DuplexError]
+
+
+class LocalPipeline:
+    """A whole model's partitions, one engine each, wired in memory (no bus).
+
+    For tests and benchmarks of models: the same engine cores the workers run.
+    """
+
+    def __init__(self, model: Model, max_batch: int = 64) -> None:
+        self.model = model
+        topo = model.topology
+        self.engines = {p: Engine(p, topo, model.create_partition(p), max_batch) for p in topo.partitions}
+        self._consumer = {c.edge_name: c.to_partition for c in topo.connections}
+        self.outputs: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        self.usage: dict[str, dict[str, dict[str, Any]]] = {}
+        self.errors: dict[str, list[DuplexError]] = {}
+        self.output_times: dict[str, list[float]] = {}
+
+    def open(self, cid: str, model_kwargs: dict[str, Any] | None = None) -> None:
+        for eng in self.engines.values():
+            eng.add_call(cid, model_kwargs)
+        self.outputs[cid], self.usage[cid], self.errors[cid], self.output_times[cid] = [], {}, [], []
+
+    def push(self, cid: str, edge: str, seq: int, item: Item) -> None:
+        self._apply(self.engines[self._consumer[edge]].push(cid, edge, seq, item), None)
+
+    def end(self, cid: str, edge: str, total: int) -> None:
+        self._apply(self.engines[self._consumer[edge]].end(cid, edge, total), None)
+
+    def _apply(self, actions: list[Action], partition: str | None) -> None:
+        for a in actions:
+            if isinstance(a, PublishOutput):
+                assert partition is not None
+                self.outputs[a.cid].append((partition, a.data))
+                self.output_times[a.cid].append(time.monotonic())
+            elif isinstance(a, PublishEdgeItem):
+                self.push(a.cid, a.edge, a.seq, a.item)
+            elif isinstance(a, PublishEdgeEnd):
+                self.end(a.cid, a.edge, a.total)
+            elif isinstance(a, PublishDone):
+                assert partition is not None
+                self.usage[a.cid][partition] = a.usage
+            elif isinstance(a, FailCall):
+                self.errors[a.cid].append(a.error)
+                for eng in self.engines.values():
+                    eng.drop_call(a.cid)
+
+    def run_once(self) -> bool:
+        """One step of every engine that has work; False when none had any."""
+        worked = False
+        for name, eng in self.engines.items():
+            if eng.has_work():
+                worked = True
+                self._apply(eng.step(), name)
+        return worked
+
+    def finished(self, cid: str) -> bool:
+        return len(self.usage.get(cid, {})) == len(self.engines) or bool(self.errors.get(cid))
+
+    def result(self, cid: str) -> PipelineResult:
+        return PipelineResult(self.outputs[cid], self.usage[cid], self.errors[cid])

@@ -1,0 +1,86 @@
+"""NATS helpers: connect, and create (idempotently) the stream and buckets."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+
+from duplexbus.shared import subjects
+from duplexbus.shared.config import ServingConfig
+
+log = logging.getLogger(__name__)
+
+# History and TTL per bucket: heartbeats expire so a dead process disappears by itself.
+BUCKETS: dict[str, dict[str, Any]] = {
+    subjects.KV_WORKERS: {"history": 1},
+    subjects.KV_FRONTENDS: {"history": 1},
+    subjects.KV_CALLS: {"history": 1},
+    subjects.KV_REQUEST_IDS: {"history": 1},
+}
+
+
+async def connect(config: ServingConfig, name: str) -> Client:
+    if not config.nats_url:
+        raise RuntimeError("no NATS URL: set NATS_URL or nats_url in the config")
+    opts: dict[str, Any] = {
+        "servers": config.nats_url.split(","),
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "pending_size": 64 * 1024 * 1024,
+    }
+    if config.nats_creds:
+        opts["user_credentials"] = config.nats_creds
+    if config.nats_tls:
+        ctx = ssl.create_default_context(cafile=config.nats_tls.ca_file)
+        if config.nats_tls.cert_file:
+            ctx.load_cert_chain(config.nats_tls.cert_file, config.nats_tls.key_file)
+        opts["tls"] = ctx
+    return await nats.connect(**opts)
+
+
+def stream_config(config: ServingConfig) -> StreamConfig:
+    return StreamConfig(
+        name=subjects.STREAM,
+        subjects=subjects.STREAM_SUBJECTS,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=config.retention.max_age_s,
+        max_bytes=config.retention.max_bytes,
+        num_replicas=config.retention.replicas,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
+        allow_direct=True,
+    )
+
+
+async def ensure_stream(js: JetStreamContext, config: ServingConfig) -> None:
+    cfg = stream_config(config)
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError:
+        # Exists with other settings (another service won the race, or the config changed).
+        await js.update_stream(cfg)
+
+
+async def ensure_buckets(js: JetStreamContext, config: ServingConfig, names: list[str]) -> dict[str, KeyValue]:
+    out: dict[str, KeyValue] = {}
+    for name in names:
+        try:
+            out[name] = await js.key_value(name)
+        except NotFoundError:
+            ttl = config.liveness_s if name in (subjects.KV_WORKERS, subjects.KV_FRONTENDS) else None
+            kv_cfg = KeyValueConfig(bucket=name, ttl=ttl, replicas=config.retention.replicas, **BUCKETS[name])
+            try:
+                out[name] = await js.create_key_value(kv_cfg)
+            except BadRequestError:
+                out[name] = await js.key_value(name)
+    return out

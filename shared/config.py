@@ -1,0 +1,136 @@
+"""The serving config (YAML), validated at start-up with errors that name the key."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from duplexbus.shared.errors import ConfigError
+from duplexbus.shared.topology import PartitionTopology
+
+
+class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
+    max_items: int | None = None
+
+
+class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True):
+    max_age_s: float = 24 * 3600
+    max_bytes: int = 2 * 1024**3
+    replicas: int = 1
+
+
+class TLSConfig(msgspec.Struct, forbid_unknown_fields=True):
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str = "voice_assistant"
+    nats_url: str | None = None
+    nats_creds: str | None = None
+    nats_tls: TLSConfig | None = None
+    max_concurrent_requests: int = 512
+    max_queued_requests: int = 64
+    max_call_input_mb: float = 64.0
+    client_streams: dict[str, StreamConfig] = {}
+    request_timeout_s: float = 30.0
+    max_call_duration_s: float = 3600.0
+    retention: RetentionConfig = msgspec.field(default_factory=RetentionConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_message_mb: float = 16.0  # one WebSocket message
+    worker_slots: int = 512  # calls one worker takes at once
+    max_batch: int = 64  # calls in one step
+    heartbeat_s: float = 1.0
+    liveness_s: float = 5.0  # a worker or frontend silent this long is dead
+    placement_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_concurrent_requests": self.max_concurrent_requests,
+            "max_call_input_mb": self.max_call_input_mb,
+            "request_timeout_s": self.request_timeout_s,
+            "max_call_duration_s": self.max_call_duration_s,
+            "max_message_mb": self.max_message_mb,
+            "worker_slots": self.worker_slots,
+            "max_batch": self.max_batch,
+            "heartbeat_s": self.heartbeat_s,
+            "liveness_s": self.liveness_s,
+            "retention.max_age_s": self.retention.max_age_s,
+            "retention.max_bytes": self.retention.max_bytes,
+            "retention.replicas": self.retention.replicas,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(key, f"must be > 0, got {value}")
+        if self.max_queued_requests < 0:
+            raise ConfigError("max_queued_requests", "must be >= 0")
+        for edge, s in self.client_streams.items():
+            if s.max_items is not None and s.max_items < 1:
+                raise ConfigError(f"client_streams.{edge}.max_items", f"must be >= 1, got {s.max_items}")
+
+    def stream_limits(self, topology: PartitionTopology) -> dict[str, int | None]:
+        """Effective max_items per client edge: the config may lower a model's bound, never raise or remove it."""
+        edges = topology.client_edges()
+        out: dict[str, int | None] = {}
+        for edge, conn in edges.items():
+            assert conn.limits is not None
+            out[edge] = conn.limits.max_items
+        for edge, s in self.client_streams.items():
+            key = f"client_streams.{edge}.max_items"
+            if edge not in edges:
+                raise ConfigError(f"client_streams.{edge}", f"the model has no client stream {edge!r}")
+            model_max = out[edge]
+            if s.max_items is None:
+                if model_max is not None:
+                    raise ConfigError(key, f"cannot remove the model's bound of {model_max}")
+                continue
+            if model_max is not None and s.max_items > model_max:
+                raise ConfigError(key, f"{s.max_items} raises the model's bound of {model_max}")
+            out[edge] = s.max_items
+        return out
+
+    @property
+    def max_call_input_bytes(self) -> int:
+        return int(self.max_call_input_mb * 1024 * 1024)
+
+
+def _key_of(err: msgspec.ValidationError) -> str:
+    text = str(err)
+    if "`$." in text:
+        return text.split("`$.", 1)[1].split("`", 1)[0]
+    if "unknown field `" in text:
+        return text.split("unknown field `", 1)[1].split("`", 1)[0]
+    return "config"
+
+
+def parse_config(data: dict[str, Any] | None) -> ServingConfig:
+    try:
+        return msgspec.convert(data or {}, ServingConfig, strict=False)
+    except ConfigError:
+        raise
+    except msgspec.ValidationError as e:
+        raise ConfigError(_key_of(e), str(e)) from None
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
+    """Config from `path` (or $DUPLEXBUS_CONFIG), then $NATS_URL, then explicit overrides."""
+    path = path or os.environ.get("DUPLEXBUS_CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError("config", f"cannot read {path}: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("config", f"{path} must hold a mapping")
+        data = loaded or {}
+    if os.environ.get("NATS_URL"):
+        data["nats_url"] = os.environ["NATS_URL"]
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return parse_config(data)

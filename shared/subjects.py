@@ -1,0 +1,116 @@
+"""Every subject, stream and bucket name. Nothing else builds subject strings."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+STREAM = "DUPLEX_CALLS"
+STREAM_SUBJECTS = ["call.>"]
+
+KV_WORKERS = "duplex_workers"
+KV_FRONTENDS = "duplex_frontends"
+KV_CALLS = "duplex_calls"
+KV_REQUEST_IDS = "duplex_request_ids"
+
+CONDUCTOR_DURABLE = "conductor"
+
+# Kinds of call subjects.
+OPEN = "open"
+IN = "in"
+EOI = "eoi"
+EDGE = "edge"
+EDGE_END = "edge_end"
+OUT = "out"
+DONE = "done"
+FIN = "fin"
+ABORT = "abort"
+
+_PREFIX = "call"
+
+
+def new_cid() -> str:
+    """Unique, time-sortable call id: 12 hex digits of milliseconds, then 12 random hex digits.
+
+    Never the client's request_id, which can be reused and may contain anything.
+    """
+    return f"{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
+
+
+def new_process_id(kind: str) -> str:
+    return f"{kind}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def open_(cid: str) -> str:
+    return f"{_PREFIX}.{cid}.{OPEN}"
+
+
+def input_(cid: str, edge: str) -> str:
+    return f"{_PREFIX}.{cid}.{IN}.{edge}"
+
+
+def eoi(cid: str, edge: str) -> str:
+    return f"{_PREFIX}.{cid}.{EOI}.{edge}"
+
+
+def edge(cid: str, edge_name: str) -> str:
+    return f"{_PREFIX}.{cid}.{EDGE}.{edge_name}"
+
+
+def edge_end(cid: str, edge_name: str) -> str:
+    return f"{_PREFIX}.{cid}.{EDGE_END}.{edge_name}"
+
+
+def out(cid: str) -> str:
+    return f"{_PREFIX}.{cid}.{OUT}"
+
+
+def done(cid: str, partition: str) -> str:
+    return f"{_PREFIX}.{cid}.{DONE}.{partition}"
+
+
+def fin(cid: str) -> str:
+    return f"{_PREFIX}.{cid}.{FIN}"
+
+
+def abort(cid: str) -> str:
+    return f"{_PREFIX}.{cid}.{ABORT}"
+
+
+def call_all(cid: str) -> str:
+    """Every subject of one call (replay)."""
+    return f"{_PREFIX}.{cid}.>"
+
+
+def assign(worker_id: str) -> str:
+    return f"ctl.worker.{worker_id}.assign"
+
+
+# What the conductor consumes: O(1) messages per call, never data subjects (I-1).
+CONDUCTOR_FILTERS = [
+    f"{_PREFIX}.*.{OPEN}",
+    f"{_PREFIX}.*.{EOI}.*",
+    f"{_PREFIX}.*.{DONE}.*",
+    f"{_PREFIX}.*.{ABORT}",
+]
+
+
+def msg_id(cid: str, kind: str, edge_name: str, seq: int | str) -> str:
+    """`Nats-Msg-Id` so a republish after a reconnect is deduplicated by the stream."""
+    return f"{cid}.{kind}.{edge_name}.{seq}"
+
+
+@dataclass(frozen=True)
+class CallSubject:
+    cid: str
+    kind: str
+    edge: str | None  # edge name, or partition name for `done`
+
+
+def parse(subject: str) -> CallSubject:
+    parts = subject.split(".")
+    if len(parts) < 3 or parts[0] != _PREFIX:
+        raise ValueError(f"not a call subject: {subject!r}")
+    return CallSubject(parts[1], parts[2], parts[3] if len(parts) > 3 else None)

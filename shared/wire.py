@@ -1,0 +1,204 @@
+"""The wire schema: one typed, tagged msgpack struct per message kind.
+
+encode/decode are pure functions. Every message carries a version `v`; a decoder
+refuses a newer major version rather than misreading it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from duplexbus.shared.chunking import Item
+from duplexbus.shared.errors import ProtocolError
+
+VERSION = 1
+_T = TypeVar("_T", bound="Msg")
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> Tensor:
+        a = np.ascontiguousarray(a)
+        return cls(a.dtype.str, list(a.shape), a.tobytes())
+
+    def to_array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+class WireItem(msgspec.Struct, frozen=True):
+    data: Tensor | None = None
+    meta: dict[str, Any] = {}
+
+    @classmethod
+    def from_item(cls, item: Item) -> WireItem:
+        return cls(None if item.data is None else Tensor.from_array(item.data), item.meta)
+
+    def to_item(self) -> Item:
+        return Item(None if self.data is None else self.data.to_array(), dict(self.meta))
+
+
+class Msg(msgspec.Struct, tag_field="t", kw_only=True):
+    v: int = VERSION
+
+
+class Open(Msg, tag="open"):
+    """call.{cid}.open: frontend -> conductor."""
+
+    cid: str
+    request_id: str
+    model: str
+    frontend_id: str
+    model_kwargs: dict[str, Any] = {}
+    open_streams: list[str] = []  # client streams left open
+    published: dict[str, int] = {}  # items already published per edge
+    live: bool = True  # a live call leaves a stream open; a one-shot may queue
+
+
+class InputItem(Msg, tag="in"):
+    """call.{cid}.in.{edge}: one client stream item."""
+
+    seq: int
+    item: WireItem
+
+
+class EndOfInput(Msg, tag="eoi"):
+    """call.{cid}.eoi.{edge}: end of a client stream, as an item count."""
+
+    total: int
+
+
+class EdgeItemMsg(Msg, tag="edge"):
+    """call.{cid}.edge.{edge}: one inter-partition item."""
+
+    seq: int
+    item: WireItem
+
+
+class EdgeEnd(Msg, tag="edge_end"):
+    total: int
+
+
+class OutputMsg(Msg, tag="out"):
+    """call.{cid}.out: one output event; `seq` counts per partition."""
+
+    partition: str
+    seq: int
+    data: dict[str, Any]
+
+
+class Done(Msg, tag="done"):
+    """call.{cid}.done.{partition}: the partition finished the call."""
+
+    partition: str
+    worker_id: str
+    outputs: int  # how many outputs it published: the frontend waits for all
+    usage: dict[str, Any] = {}
+
+
+class Fin(Msg, tag="fin"):
+    """call.{cid}.fin: the call ended."""
+
+    status: int  # 200 on completion, else the client status
+    reason: str
+    usage: dict[str, Any] = {}
+    error: str | None = None
+    outputs: dict[str, int] = {}  # partition -> outputs published
+
+
+class Abort(Msg, tag="abort"):
+    reason: str
+    status: int = 499
+
+
+class Assign(Msg, tag="assign"):
+    """ctl.worker.{id}.assign: run these partitions of the call (request/reply)."""
+
+    cid: str
+    model: str
+    partitions: list[str]
+    model_kwargs: dict[str, Any] = {}
+
+
+class AssignReply(Msg, tag="assign_reply"):
+    ok: bool
+    error: str | None = None
+
+
+class WorkerHeartbeat(Msg, tag="worker_hb"):
+    worker_id: str
+    model: str
+    partitions: list[str]
+    capacity: int
+    load: int
+    ts: float
+
+
+class FrontendHeartbeat(Msg, tag="frontend_hb"):
+    frontend_id: str
+    ts: float
+
+
+class CallRecord(Msg, tag="call"):
+    """duplex_calls KV: what a restarted conductor needs to carry on."""
+
+    cid: str
+    request_id: str
+    model: str
+    frontend_id: str
+    state: str
+    live: bool
+    created: float
+    model_kwargs: dict[str, Any] = {}
+    open_streams: list[str] = []
+    placement: dict[str, str] = {}  # partition -> worker_id
+    done: dict[str, int] = {}  # partition -> outputs
+    usage: dict[str, Any] = {}
+
+
+AnyMsg = (
+    Open
+    | InputItem
+    | EndOfInput
+    | EdgeItemMsg
+    | EdgeEnd
+    | OutputMsg
+    | Done
+    | Fin
+    | Abort
+    | Assign
+    | AssignReply
+    | WorkerHeartbeat
+    | FrontendHeartbeat
+    | CallRecord
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMsg)  # type: ignore[arg-type]
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> AnyMsg:
+    try:
+        msg = _decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable message: {e}") from None
+    if msg.v > VERSION:
+        raise ProtocolError(f"message version {msg.v} is newer than this process understands ({VERSION})")
+    return msg
+
+
+def decode_as(data: bytes, kind: type[_T]) -> _T:
+    msg = decode(data)
+    if not isinstance(msg, kind):
+        raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+    return msg
