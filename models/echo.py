@@ -28,6 +28,8 @@ def frame_rms(frame: np.ndarray) -> float:
 
 
 class Encoder(Partition):
+    blocking = False
+
     def __init__(self) -> None:
         self._calls: set[str] = set()
 
@@ -51,6 +53,8 @@ class Encoder(Partition):
 
 
 class Talker(Partition):
+    blocking = False
+
     def __init__(self) -> None:
         self._frames: dict[str, int] = {}
 

@@ -80,6 +80,10 @@ Emission = Output | EdgeItem
 class Partition(ABC):
     """One stage of a model, batched across calls. No I/O here."""
 
+    blocking: ClassVar[bool] = True
+    """True: `step` runs in a thread so the worker's bus I/O goes on meanwhile (model
+    forward passes). False: it is cheap enough to run on the event loop."""
+
     @abstractmethod
     def open_call(self, call: CallInfo) -> None: ...
 

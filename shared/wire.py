@@ -134,7 +134,8 @@ class AssignReply(Msg, tag="assign_reply"):
 class WorkerHeartbeat(Msg, tag="worker_hb"):
     worker_id: str
     model: str
-    partitions: list[str]
+    partitions: list[str]  # the ones this worker runs
+    model_partitions: list[str]  # all of the model's, so the conductor needs no model code
     capacity: int
     load: int
     ts: float
@@ -156,6 +157,7 @@ class CallRecord(Msg, tag="call"):
     live: bool
     created: float
     model_kwargs: dict[str, Any] = {}
+    partitions: list[str] = []
     open_streams: list[str] = []
     placement: dict[str, str] = {}  # partition -> worker_id
     done: dict[str, int] = {}  # partition -> outputs

@@ -171,6 +171,10 @@ class Engine:
             return self._fail(call, e)
         return []
 
+    def fail_call(self, cid: str, error: DuplexError) -> list[Action]:
+        call = self._calls.get(cid)
+        return [] if call is None else self._fail(call, error)
+
     def _fail(self, call: _Call, error: DuplexError) -> list[Action]:
         call.move(CallState.FAILED)
         del self._calls[call.cid]

@@ -1,0 +1,197 @@
+"""Batching benchmark of `tiny_duplex`: frames per second, batched against unbatched.
+
+For each number of concurrent calls N, opens N calls on one `Duplex` partition, gives
+them caches of different lengths (call i is prefilled with about (i + 1) * context / N
+frames, as if the calls had joined at different times), then times steps of one
+80 ms frame per call: `partition.step(batch)` (one forward pass for all N calls)
+against `partition.step_unbatched(batch)` (one forward pass per call). Each mode
+starts from the same prefilled caches. Reports the median of `--runs` timed runs
+after `--warmup` untimed ones.
+
+    .venv/bin/python bench/batching.py                      # cuda if available, else cpu
+    .venv/bin/python bench/batching.py --device cpu --json results.json
+
+"x real time" is frames/s over N * 12.5 (each call sends 12.5 frames/s): at 1 or more,
+the partition keeps up with N live calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from duplexbus.models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition
+from duplexbus.shared.chunking import Chunk, Item
+from duplexbus.shared.model import CallInfo, StepInput
+
+FRAMES_PER_SECOND_PER_CALL = 16_000 / FRAME  # 12.5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--calls", default="1,8,32,64", help="comma-separated concurrent call counts")
+    ap.add_argument("--steps", type=int, default=10, help="steps (frames per call) in one timed run")
+    ap.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    ap.add_argument("--window", type=int, default=1024, help="KV positions kept per call")
+    ap.add_argument("--context", type=int, default=None, help="longest prefilled cache (default: the window)")
+    ap.add_argument("--modes", default="batched,unbatched")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    return ap.parse_args(argv)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prefill_lengths(n: int, context: int) -> list[int]:
+    return [max(1, round((i + 1) * context / n)) for i in range(n)]
+
+
+def open_calls(p: TinyDuplexPartition, n: int, context: int, rng: np.random.Generator) -> list[str]:
+    cids = [f"call-{i:03d}" for i in range(n)]
+    for cid, length in zip(cids, prefill_lengths(n, context), strict=True):
+        p.open_call(CallInfo(cid))
+        p.prefill(cid, rng.uniform(-0.5, 0.5, (length, FRAME)).astype(np.float32))
+    return cids
+
+
+def make_batches(cids: list[str], steps: int, rng: np.random.Generator) -> list[list[StepInput]]:
+    """`steps` batches of one PCM16 frame per call, as the worker hands them to the partition."""
+    batches = []
+    for _ in range(steps):
+        pcm = rng.integers(-8000, 8000, (len(cids), FRAME), dtype=np.int16)
+        batches.append([StepInput(cid, {"audio_in": Chunk([Item(pcm[i])], first_seq=0)}) for i, cid in enumerate(cids)])
+    return batches
+
+
+def bench_mode(p: TinyDuplexPartition, n: int, mode: str, args: argparse.Namespace, context: int) -> dict[str, Any]:
+    rng = np.random.default_rng(args.seed)
+    cids = open_calls(p, n, context, rng)
+    step = p.step if mode == "batched" else p.step_unbatched
+    times = []
+    for run in range(args.warmup + args.runs):
+        batches = make_batches(cids, args.steps, rng)
+        sync(args.device)
+        t0 = time.perf_counter()
+        for batch in batches:
+            out = step(batch)
+            assert len(out) == n
+        sync(args.device)
+        if run >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    for cid in cids:
+        p.close_call(cid)
+    fps = [n * args.steps / t for t in times]
+    med = statistics.median(fps)
+    return {
+        "calls": n,
+        "mode": mode,
+        "frames_per_s": med,
+        "frames_per_s_runs": fps,
+        "ms_per_step": 1000 * n / med,
+        "x_real_time": med / (n * FRAMES_PER_SECOND_PER_CALL),
+        "prefill_lengths": [min(prefill_lengths(n, context)), max(prefill_lengths(n, context))],
+    }
+
+
+def machine(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    by = {(r["calls"], r["mode"]): r for r in results}
+    calls = sorted({r["calls"] for r in results})
+    lines = [
+        "| calls | batched frames/s | unbatched frames/s | speedup | batched ms/step | unbatched ms/step "
+        "| batched x real time | unbatched x real time |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def cell(n: int, mode: str, key: str, fmt: str) -> str:
+        r = by.get((n, mode))
+        return format(r[key], fmt) if r else "-"
+
+    for n in calls:
+        b, u = by.get((n, "batched")), by.get((n, "unbatched"))
+        speedup = f"{b['frames_per_s'] / u['frames_per_s']:.2f}x" if b and u else "-"
+        lines.append(
+            f"| {n} | {cell(n, 'batched', 'frames_per_s', ',.0f')} | {cell(n, 'unbatched', 'frames_per_s', ',.0f')} "
+            f"| {speedup} | {cell(n, 'batched', 'ms_per_step', '.1f')} | {cell(n, 'unbatched', 'ms_per_step', '.1f')} "
+            f"| {cell(n, 'batched', 'x_real_time', '.2f')} | {cell(n, 'unbatched', 'x_real_time', '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    calls = [int(c) for c in args.calls.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not set(modes) <= {"batched", "unbatched"}:
+        raise SystemExit(f"--modes: batched and/or unbatched, got {args.modes!r}")
+    context = args.context or args.window
+    if not 1 <= context <= 100_000:
+        raise SystemExit("--context must be >= 1")
+    model = TinyDuplexModel(device=args.device, dtype=args.dtype, window=args.window, max_calls=max(calls), seed=0)
+    p = model.create_partition("Duplex")
+    assert isinstance(p, TinyDuplexPartition)
+    cfg = model.config
+    print(
+        f"tiny_duplex on {p.device} ({args.dtype}): d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
+        f"window {cfg.window}, KV pool {p.kv_pool_bytes / 2**20:.0f} MiB for {cfg.max_calls} calls; "
+        f"caches prefilled up to {context}; {args.steps} steps x {args.runs} runs after {args.warmup} warm-up",
+        flush=True,
+    )
+    results = []
+    for n in calls:
+        for mode in modes:
+            r = bench_mode(p, n, mode, args, context)
+            results.append(r)
+            print(f"  {n:>3} calls {mode:>9}: {r['frames_per_s']:>9,.0f} frames/s  {r['ms_per_step']:7.1f} ms/step", flush=True)
+    print()
+    print(table(results))
+    if args.json_path:
+        doc = {
+            "benchmark": "tiny_duplex batching",
+            "command": " ".join([os.path.relpath(sys.argv[0]) if argv is None else "bench/batching.py", *(argv or sys.argv[1:])]),
+            "device": p.device,
+            "dtype": args.dtype,
+            "machine": machine(p.device),
+            "config": {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "window", "max_calls")},
+            "context": context,
+            "steps": args.steps,
+            "runs": args.runs,
+            "warmup": args.warmup,
+            "results": results,
+        }
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"\nwrote {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""`duplexbus replay CID`: every message a call put on the bus, in stream order (I-3)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from duplexbus.shared import bus, subjects, wire
+from duplexbus.shared.config import load_config
+
+
+async def read_call(js: JetStreamContext, cid: str) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
+    """Every stored message of the call, oldest first."""
+    cfg = ConsumerConfig(
+        filter_subject=subjects.call_all(cid),
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=10.0,
+        mem_storage=True,
+    )
+    info = await js.add_consumer(subjects.STREAM, cfg)
+    pending = info.num_pending or 0
+    sub = await js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
+    try:
+        while pending > 0:
+            try:
+                msgs = await sub.fetch(min(pending, 512), timeout=2.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                return
+            for m in msgs:
+                pending = m.metadata.num_pending
+                yield m.subject, wire.decode(m.data)
+    finally:
+        await sub.unsubscribe()
+        try:
+            await js.delete_consumer(subjects.STREAM, info.name)
+        except Exception:
+            pass
+
+
+def summarize(msg: wire.AnyMsg) -> dict[str, Any]:
+    d: dict[str, Any] = msgspec.to_builtins(msg)
+    for key in ("item",):
+        item = d.get(key)
+        if isinstance(item, dict) and isinstance(item.get("data"), dict):
+            t = item["data"]
+            item["data"] = {"dtype": t["dtype"], "shape": t["shape"]}
+    data = d.get("data")
+    if isinstance(data, dict) and isinstance(data.get("audio"), str):
+        data["audio"] = f"<{len(data['audio'])} b64 chars>"
+    return d
+
+
+async def run_replay(args: argparse.Namespace) -> int:
+    cfg = load_config(None, nats_url=args.nats_url)
+    nc = await bus.connect(cfg, "duplexbus-replay")
+    try:
+        n = 0
+        async for subject, msg in read_call(nc.jetstream(), args.cid):
+            print(json.dumps({"subject": subject, **summarize(msg)}, default=str))
+            n += 1
+        if n == 0:
+            print(f"no messages for call {args.cid} in {subjects.STREAM}")
+            return 1
+    finally:
+        await nc.close()
+    return 0

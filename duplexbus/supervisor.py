@@ -1,0 +1,165 @@
+"""`duplexbus up`: the embedded NATS server and every service as supervised children.
+
+Children run in their own sessions so a terminal's Ctrl-C reaches only this
+supervisor, which stops them in order: frontends first (stop intake), then
+workers (drain), then the conductor, then NATS. A child that dies is restarted.
+If the supervisor itself is killed, the kernel stops the children (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from duplexbus.shared.embedded import NatsServer
+
+log = logging.getLogger("duplexbus.up")
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    order: int  # stop order: lower stops first
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self, base_env: dict[str, str], log_dir: Path) -> None:
+        out = open(log_dir / f"{self.name}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(
+            self.argv,
+            env={**base_env, **self.env},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        out.close()
+        self.started = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class UpOptions:
+    config: str | None
+    model: str | None
+    frontends: int
+    workers: int
+    port: int
+    host: str
+    run_dir: Path
+    ready_timeout: float = 120.0
+
+
+def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
+    py = [sys.executable, "-m", "duplexbus.cli"]
+    common = (["--config", opts.config] if opts.config else []) + (["--model", opts.model] if opts.model else [])
+    children = [Child("conductor", [*py, "conductor", *common], order=2)]
+    for p in partitions:
+        for i in range(opts.workers):
+            children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
+    for i in range(opts.frontends):
+        port = opts.port + i
+        children.append(Child(f"frontend-{i}", [*py, "frontend", *common, "--host", opts.host, "--port", str(port)], order=0))
+    return children
+
+
+def wait_http(url: str, timeout: float, children: list[Child]) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return True
+        if any(c.proc is not None and c.proc.poll() is not None for c in children if c.name.startswith("frontend")):
+            return False
+        time.sleep(0.1)
+    return False
+
+
+def run_up(opts: UpOptions, partitions: list[str]) -> int:
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = opts.run_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    server: NatsServer | None = None
+    if not env.get("NATS_URL"):
+        server = NatsServer(opts.run_dir / "nats", log_file=log_dir / "nats-server.log").start()
+        env["NATS_URL"] = server.url
+        print(f"nats-server (embedded) on {server.url}, store {opts.run_dir / 'nats'}", flush=True)
+    else:
+        print(f"using NATS at {env['NATS_URL']}", flush=True)
+    children = plan(opts, partitions)
+    try:
+        for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
+            c.start(env, log_dir)
+        url = f"http://{opts.host}:{opts.port}"
+        if wait_http(f"{url}/healthz", opts.ready_timeout, children):
+            print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
+        else:
+            print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)
+            stop = True
+        while not stop:
+            for c in children:
+                if not c.alive() and not stop:
+                    code = c.proc.returncode if c.proc else None
+                    backoff = min(10.0, 0.5 * 2**c.restarts)
+                    if time.monotonic() - c.started > 30:
+                        c.restarts = 0
+                    print(f"{c.name} exited ({code}); restarting in {backoff:.1f}s", flush=True)
+                    time.sleep(backoff)
+                    c.restarts += 1
+                    c.start(env, log_dir)
+            time.sleep(0.2)
+    finally:
+        stop_all(children)
+        if server is not None:
+            server.stop()
+        print("stopped", flush=True)
+    return 0
+
+
+def stop_all(children: list[Child], timeout: float = 15.0) -> None:
+    for order in sorted({c.order for c in children}):
+        group = [c for c in children if c.order == order and c.alive()]
+        for c in group:
+            assert c.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in group:
+            assert c.proc is not None
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()

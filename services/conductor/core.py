@@ -1,0 +1,398 @@
+"""The conductor's pure core: admission, placement, end-of-input and completion.
+
+`Conductor.handle(event) -> actions`, no I/O. The service turns bus messages and
+timer ticks into events and carries out the actions. It never sees a data
+message (I-1): only opens, ends of input, dones, aborts, assignment results and
+liveness.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from duplexbus.shared import wire
+from duplexbus.shared.config import ServingConfig
+
+
+class CallState(enum.Enum):
+    QUEUED = "queued"  # a one-shot waiting for a slot; its input waits in JetStream (I-2)
+    PLACING = "placing"  # assignments sent, not all acknowledged
+    RUNNING = "running"
+    INPUT_ENDED = "input_ended"  # every client stream ended; waiting for the partitions
+    FINISHED = "finished"
+
+
+_TRANSITIONS: dict[CallState, set[CallState]] = {
+    CallState.QUEUED: {CallState.PLACING, CallState.FINISHED},
+    CallState.PLACING: {CallState.RUNNING, CallState.INPUT_ENDED, CallState.FINISHED},
+    CallState.RUNNING: {CallState.INPUT_ENDED, CallState.PLACING, CallState.FINISHED},
+    CallState.INPUT_ENDED: {CallState.PLACING, CallState.FINISHED},
+    CallState.FINISHED: set(),
+}
+
+
+# -- events ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Opened:
+    msg: wire.Open
+    now: float
+
+
+@dataclass(frozen=True)
+class InputEnded:
+    cid: str
+    edge: str
+    total: int
+
+
+@dataclass(frozen=True)
+class PartitionDone:
+    cid: str
+    msg: wire.Done
+
+
+@dataclass(frozen=True)
+class AbortRequested:
+    cid: str
+    reason: str
+    status: int
+
+
+@dataclass(frozen=True)
+class AssignResult:
+    cid: str
+    worker_id: str
+    partitions: tuple[str, ...]
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerSeen:
+    hb: wire.WorkerHeartbeat
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class FrontendLost:
+    frontend_id: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+
+
+Event = Opened | InputEnded | PartitionDone | AbortRequested | AssignResult | WorkerSeen | WorkerLost | FrontendLost | Tick
+
+
+# -- actions -----------------------------------------------------------------
+@dataclass(frozen=True)
+class SendAssign:
+    worker_id: str
+    msg: wire.Assign
+
+
+@dataclass(frozen=True)
+class PublishFin:
+    cid: str
+    msg: wire.Fin
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PublishAbort:
+    cid: str
+    msg: wire.Abort
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    record: wire.CallRecord
+
+
+@dataclass(frozen=True)
+class DeleteRecord:
+    cid: str
+
+
+Action = SendAssign | PublishFin | PublishAbort | SaveRecord | DeleteRecord
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    model: str
+    partitions: list[str]
+    capacity: int
+    load: int  # as last reported
+    reserved: int = 0  # assignments since that report
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.load - self.reserved
+
+
+@dataclass
+class Call:
+    cid: str
+    request_id: str
+    model: str
+    frontend_id: str
+    live: bool
+    created: float
+    model_kwargs: dict[str, Any]
+    partitions: list[str]
+    open_streams: set[str]
+    state: CallState = CallState.QUEUED
+    placement: dict[str, str] = field(default_factory=dict)  # partition -> worker
+    acked: set[str] = field(default_factory=set)  # partitions whose assignment was acknowledged
+    done: dict[str, int] = field(default_factory=dict)  # partition -> outputs
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def move(self, to: CallState) -> None:
+        if to not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"call {self.cid}: {self.state.value} -> {to.value} is not allowed")
+        self.state = to
+
+    def record(self) -> wire.CallRecord:
+        return wire.CallRecord(
+            cid=self.cid,
+            request_id=self.request_id,
+            model=self.model,
+            frontend_id=self.frontend_id,
+            state=self.state.value,
+            live=self.live,
+            created=self.created,
+            model_kwargs=self.model_kwargs,
+            partitions=list(self.partitions),
+            open_streams=sorted(self.open_streams),
+            placement=dict(self.placement),
+            done=dict(self.done),
+            usage=dict(self.usage),
+        )
+
+
+class Conductor:
+    """Admission, placement and completion for every call. Pure: no I/O, time comes in events."""
+
+    def __init__(self, config: ServingConfig, partitions_of: dict[str, list[str]] | None = None) -> None:
+        self.config = config
+        # model -> its partitions, learnt from worker heartbeats: the conductor loads no model code.
+        self.partitions_of: dict[str, list[str]] = dict(partitions_of or {})
+        self.calls: dict[str, Call] = {}
+        self.queue: deque[str] = deque()
+        self.workers: dict[str, Worker] = {}
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        return sum(1 for c in self.calls.values() if c.state is not CallState.QUEUED)
+
+    def handle(self, ev: Event) -> list[Action]:
+        match ev:
+            case Opened():
+                return self._opened(ev)
+            case InputEnded():
+                return self._input_ended(ev)
+            case PartitionDone():
+                return self._done(ev)
+            case AbortRequested():
+                return self._abort(ev.cid, ev.reason, ev.status, notify_workers=False)
+            case AssignResult():
+                return self._assign_result(ev)
+            case WorkerSeen():
+                return self._worker_seen(ev.hb)
+            case WorkerLost():
+                return self._worker_lost(ev.worker_id)
+            case FrontendLost():
+                cids = [c.cid for c in self.calls.values() if c.frontend_id == ev.frontend_id]
+                return [a for cid in cids for a in self._abort(cid, "frontend lost", 499, notify_workers=True)]
+            case Tick():
+                return self._tick(ev.now)
+        raise TypeError(f"unknown event {ev!r}")
+
+    # -- admission -----------------------------------------------------------
+    def _opened(self, ev: Opened) -> list[Action]:
+        m = ev.msg
+        if m.cid in self.calls:
+            return []  # redelivered open
+        partitions = self.partitions_of.get(m.model)
+        if partitions is None:
+            return [self._fin_msg(m.cid, m.request_id, 503, "overloaded", f"no worker serves model {m.model!r}")]
+        call = Call(
+            cid=m.cid,
+            request_id=m.request_id,
+            model=m.model,
+            frontend_id=m.frontend_id,
+            live=m.live,
+            created=ev.now,
+            model_kwargs=dict(m.model_kwargs),
+            partitions=list(partitions),
+            open_streams=set(m.open_streams),
+        )
+        if self.active >= self.config.max_concurrent_requests:
+            if call.live:
+                return [self._fin_msg(m.cid, m.request_id, 503, "overloaded", "max_concurrent_requests reached")]
+            if len(self.queue) >= self.config.max_queued_requests:
+                return [self._fin_msg(m.cid, m.request_id, 503, "overloaded", "max_queued_requests reached")]
+            self.calls[call.cid] = call
+            self.queue.append(call.cid)
+            return [SaveRecord(call.record())]
+        self.calls[call.cid] = call
+        return self._place(call)
+
+    def _place(self, call: Call, only: list[str] | None = None) -> list[Action]:
+        """Each partition on the live worker with the most free slots."""
+        wanted = only or call.partitions
+        chosen: dict[str, str] = {}
+        for p in wanted:
+            candidates = [w for w in self.workers.values() if w.model == call.model and p in w.partitions and w.free > 0]
+            if not candidates:
+                return self._finish(call, 503, "overloaded", f"no worker can take partition {p!r} of {call.model!r}")
+            best = max(candidates, key=lambda w: (w.free, w.worker_id))
+            best.reserved += 1
+            chosen[p] = best.worker_id
+        if call.state is not CallState.PLACING:
+            call.move(CallState.PLACING)
+        by_worker: dict[str, list[str]] = {}
+        for p, w in chosen.items():
+            call.placement[p] = w
+            call.acked.discard(p)
+            by_worker.setdefault(w, []).append(p)
+        actions: list[Action] = [SaveRecord(call.record())]
+        for w, parts in by_worker.items():
+            actions.append(SendAssign(w, wire.Assign(cid=call.cid, model=call.model, partitions=parts, model_kwargs=call.model_kwargs)))
+        return actions
+
+    def _assign_result(self, ev: AssignResult) -> list[Action]:
+        call = self.calls.get(ev.cid)
+        if call is None or call.state is CallState.FINISHED:
+            return []
+        if not ev.ok:
+            return self._abort(call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True)
+        call.acked.update(p for p in ev.partitions if call.placement.get(p) == ev.worker_id)
+        if call.state is CallState.PLACING and call.acked >= set(call.partitions):
+            call.move(CallState.INPUT_ENDED if not call.open_streams else CallState.RUNNING)
+            return [SaveRecord(call.record())]
+        return []
+
+    # -- progress ------------------------------------------------------------
+    def _input_ended(self, ev: InputEnded) -> list[Action]:
+        call = self.calls.get(ev.cid)
+        if call is None or ev.edge not in call.open_streams:
+            return []
+        call.open_streams.discard(ev.edge)
+        if not call.open_streams and call.state is CallState.RUNNING:
+            call.move(CallState.INPUT_ENDED)
+        return [SaveRecord(call.record())]
+
+    def _done(self, ev: PartitionDone) -> list[Action]:
+        call = self.calls.get(ev.cid)
+        if call is None or ev.msg.partition in call.done:
+            return []
+        call.done[ev.msg.partition] = ev.msg.outputs
+        for k, v in ev.msg.usage.items():
+            call.usage[k] = call.usage.get(k, 0) + v if isinstance(v, int | float) else v
+        if set(call.done) >= set(call.partitions):
+            return self._finish(call, 200, "completed", None)
+        return [SaveRecord(call.record())]
+
+    def _abort(self, cid: str, reason: str, status: int, notify_workers: bool) -> list[Action]:
+        call = self.calls.get(cid)
+        if call is None or call.state is CallState.FINISHED:
+            return []
+        actions: list[Action] = []
+        if notify_workers:
+            actions.append(PublishAbort(cid, wire.Abort(reason=reason, status=status)))
+        return actions + self._finish(call, status, "aborted" if status == 499 else "error", reason)
+
+    def _finish(self, call: Call, status: int, reason: str, error: str | None) -> list[Action]:
+        was_queued = call.state is CallState.QUEUED
+        call.move(CallState.FINISHED)
+        del self.calls[call.cid]
+        if was_queued:
+            self.queue.remove(call.cid)
+        for p, w in call.placement.items():
+            worker = self.workers.get(w)
+            if worker is not None and p not in call.acked and worker.reserved > 0:
+                worker.reserved -= 1
+        fin = wire.Fin(status=status, reason=reason, usage=call.usage, error=error, outputs=call.done)
+        actions: list[Action] = [PublishFin(call.cid, fin, call.request_id), DeleteRecord(call.cid)]
+        if not was_queued:
+            actions.extend(self._admit_queued())
+        return actions
+
+    def _admit_queued(self) -> list[Action]:
+        actions: list[Action] = []
+        while self.queue and self.active < self.config.max_concurrent_requests:
+            call = self.calls[self.queue.popleft()]
+            actions.extend(self._place(call))
+        return actions
+
+    def _fin_msg(self, cid: str, request_id: str, status: int, reason: str, error: str) -> PublishFin:
+        return PublishFin(cid, wire.Fin(status=status, reason=reason, error=error), request_id)
+
+    # -- liveness ------------------------------------------------------------
+    def _worker_seen(self, hb: wire.WorkerHeartbeat) -> list[Action]:
+        self.partitions_of[hb.model] = list(hb.model_partitions)
+        w = self.workers.get(hb.worker_id)
+        if w is None:
+            self.workers[hb.worker_id] = Worker(hb.worker_id, hb.model, list(hb.partitions), hb.capacity, hb.load)
+            return self._admit_queued()
+        w.capacity, w.load, w.reserved = hb.capacity, hb.load, 0
+        return self._admit_queued()
+
+    def _worker_lost(self, worker_id: str) -> list[Action]:
+        """Re-place the lost worker's partitions: their input is still in the stream,
+        so the new worker replays it from the start (outputs are deduplicated by seq)."""
+        if self.workers.pop(worker_id, None) is None:
+            return []
+        actions: list[Action] = []
+        for call in list(self.calls.values()):
+            lost = [p for p, w in call.placement.items() if w == worker_id and p not in call.done]
+            if lost and call.state is not CallState.FINISHED:
+                actions.extend(self._place(call, only=lost))
+        return actions
+
+    def _tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        limit = self.config.max_call_duration_s
+        for call in list(self.calls.values()):
+            if call.state is not CallState.QUEUED and now - call.created > limit:
+                actions.extend(self._abort(call.cid, f"max_call_duration_s ({limit:g}s) exceeded", 408, notify_workers=True))
+        return actions
+
+    # -- recovery ------------------------------------------------------------
+    def restore(self, records: list[wire.CallRecord]) -> None:
+        """Rebuild state from the KV records after a restart."""
+        for r in sorted(records, key=lambda r: r.created):
+            call = Call(
+                cid=r.cid,
+                request_id=r.request_id,
+                model=r.model,
+                frontend_id=r.frontend_id,
+                live=r.live,
+                created=r.created,
+                model_kwargs=dict(r.model_kwargs),
+                partitions=list(r.partitions),
+                open_streams=set(r.open_streams),
+                state=CallState(r.state),
+                placement=dict(r.placement),
+                done=dict(r.done),
+                usage=dict(r.usage),
+            )
+            if call.state is not CallState.QUEUED:
+                call.acked = set(call.placement)
+                if call.state is CallState.PLACING:
+                    call.state = CallState.RUNNING if call.open_streams else CallState.INPUT_ENDED
+            else:
+                self.queue.append(call.cid)
+            self.calls[call.cid] = call

@@ -1,0 +1,207 @@
+"""The conductor's shell: bus messages and ticks in, the core's actions out.
+
+It consumes only open/eoi/done/abort subjects through one durable JetStream
+consumer (so a restarted conductor misses nothing) and keeps call records in KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from duplexbus.services.conductor import core
+from duplexbus.shared import bus, subjects, wire
+from duplexbus.shared.config import ServingConfig
+from duplexbus.shared.errors import DuplexError
+
+log = logging.getLogger(__name__)
+
+
+def consumer_config() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=subjects.CONDUCTOR_DURABLE,
+        filter_subjects=subjects.CONDUCTOR_FILTERS,
+        ack_policy=AckPolicy.EXPLICIT,
+        # A new durable starts at now: opens of calls from before it existed are history,
+        # not work. Frontends wait for this consumer before they accept calls.
+        deliver_policy=DeliverPolicy.NEW,
+        ack_wait=30,
+        max_ack_pending=10_000,
+    )
+
+
+class ConductorService:
+    def __init__(self, config: ServingConfig) -> None:
+        self.config = config
+        self.core = core.Conductor(config)
+        self.events: asyncio.Queue[tuple[core.Event, Msg | None]] = asyncio.Queue(maxsize=10_000)
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self.kv: dict[str, KeyValue] = {}
+        self._seen: dict[str, dict[str, float]] = {subjects.KV_WORKERS: {}, subjects.KV_FRONTENDS: {}}
+        self.received = 0  # bus messages consumed, for the I-1 test and the conductor-load benchmark
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await bus.connect(self.config, "duplexbus-conductor")
+        self.js = self.nc.jetstream()
+        await bus.ensure_stream(self.js, self.config)
+        self.kv = await bus.ensure_buckets(self.js, self.config, list(bus.BUCKETS))
+        await self._restore()
+        try:
+            await self.js.add_consumer(subjects.STREAM, consumer_config())
+        except Exception:
+            log.debug("consumer exists", exc_info=True)
+        sub = await self.js.pull_subscribe_bind(durable=subjects.CONDUCTOR_DURABLE, stream=subjects.STREAM)
+        log.info("conductor ready")
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(self._consume(sub)),
+                    tg.create_task(self._watch(subjects.KV_WORKERS)),
+                    tg.create_task(self._watch(subjects.KV_FRONTENDS)),
+                    tg.create_task(self._ticks()),
+                    tg.create_task(self._process()),
+                ]
+                await stop.wait()
+                for t in tasks:
+                    t.cancel()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    async def _restore(self) -> None:
+        kv = self.kv[subjects.KV_CALLS]
+        records: list[wire.CallRecord] = []
+        with contextlib.suppress(NotFoundError, Exception):
+            for key in await kv.keys():
+                entry = await kv.get(key)
+                if entry.value:
+                    records.append(wire.decode_as(entry.value, wire.CallRecord))
+        self.core.restore(records)
+        if records:
+            log.info("restored %d calls", len(records))
+
+    async def _consume(self, sub: JetStreamContext.PullSubscription) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            for m in msgs:
+                self.received += 1
+                ev = _event_of(m)
+                if ev is None:
+                    await m.ack()
+                    continue
+                await self.events.put((ev, m))
+
+    async def _process(self) -> None:
+        """The one task that calls the core: events are handled strictly in order."""
+        while True:
+            ev, msg = await self.events.get()
+            try:
+                await self._execute(self.core.handle(ev))
+            except Exception:
+                log.exception("handling %r failed", ev)
+            if msg is not None:
+                with contextlib.suppress(Exception):
+                    await msg.ack()
+
+    async def _execute(self, actions: list[core.Action]) -> None:
+        assert self.js is not None and self.nc is not None
+        for a in actions:
+            if isinstance(a, core.SendAssign):
+                asyncio.get_running_loop().create_task(self._assign(a))
+            elif isinstance(a, core.PublishFin):
+                await self.js.publish(
+                    subjects.fin(a.cid), wire.encode(a.msg), headers={"Nats-Msg-Id": subjects.msg_id(a.cid, subjects.FIN, "-", 0)}
+                )
+                await self._release_request_id(a.request_id, a.cid)
+            elif isinstance(a, core.PublishAbort):
+                await self.js.publish(subjects.abort(a.cid), wire.encode(a.msg))
+            elif isinstance(a, core.SaveRecord):
+                await self.kv[subjects.KV_CALLS].put(a.record.cid, wire.encode(a.record))
+            elif isinstance(a, core.DeleteRecord):
+                with contextlib.suppress(Exception):
+                    await self.kv[subjects.KV_CALLS].delete(a.cid)
+
+    async def _release_request_id(self, request_id: str, cid: str) -> None:
+        kv = self.kv[subjects.KV_REQUEST_IDS]
+        with contextlib.suppress(Exception):
+            entry = await kv.get(request_id)
+            if entry.value and entry.value.decode() == cid:
+                await kv.delete(request_id, last=entry.revision)
+
+    async def _assign(self, a: core.SendAssign) -> None:
+        assert self.nc is not None
+        ok, error = False, None
+        try:
+            reply = await self.nc.request(subjects.assign(a.worker_id), wire.encode(a.msg), timeout=self.config.placement_timeout_s)
+            r = wire.decode_as(reply.data, wire.AssignReply)
+            ok, error = r.ok, r.error
+        except (NatsTimeout, asyncio.TimeoutError):
+            error = "no reply"
+        except Exception as e:
+            error = str(e)
+        await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
+
+    async def _watch(self, bucket: str) -> None:
+        """Liveness from heartbeats: a put is a sign of life, a delete is a clean exit."""
+        kv = self.kv[bucket]
+        watcher = await kv.watchall()
+        seen = self._seen[bucket]
+        async for entry in watcher:
+            if entry is None:
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                if seen.pop(entry.key, None) is not None:
+                    await self.events.put((_lost(bucket, entry.key), None))
+                continue
+            seen[entry.key] = time.monotonic()
+            if bucket == subjects.KV_WORKERS:
+                with contextlib.suppress(DuplexError):
+                    await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
+
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for bucket, seen in self._seen.items():
+                for key, last in list(seen.items()):
+                    if now - last > self.config.liveness_s:
+                        del seen[key]
+                        log.warning("%s %s stopped heartbeating", bucket, key)
+                        await self.events.put((_lost(bucket, key), None))
+            await self.events.put((core.Tick(time.time()), None))
+
+
+def _lost(bucket: str, key: str) -> core.Event:
+    return core.WorkerLost(key) if bucket == subjects.KV_WORKERS else core.FrontendLost(key)
+
+
+def _event_of(m: Msg) -> core.Event | None:
+    try:
+        s = subjects.parse(m.subject)
+        msg = wire.decode(m.data)
+    except (ValueError, DuplexError):
+        log.warning("undecodable message on %s", m.subject)
+        return None
+    if isinstance(msg, wire.Open):
+        return core.Opened(msg, time.time())
+    if isinstance(msg, wire.EndOfInput) and s.edge:
+        return core.InputEnded(s.cid, s.edge, msg.total)
+    if isinstance(msg, wire.Done):
+        return core.PartitionDone(s.cid, msg)
+    if isinstance(msg, wire.Abort):
+        return core.AbortRequested(s.cid, msg.reason, msg.status)
+    return None

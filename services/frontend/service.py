@@ -1,0 +1,293 @@
+"""The frontend's bus side: publishes call input, relays outputs, ends calls.
+
+Clients reach it through `app.py`. Each call's server -> client messages go to a
+`Sink` (a socket's bounded send queue, or a POST's NDJSON stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from duplexbus.models.registry import get_model
+from duplexbus.services.frontend.calls import CallInput, InputState, Prepared
+from duplexbus.services.frontend.protocol import Append, EndInput, Opening
+from duplexbus.shared import bus, subjects, wire
+from duplexbus.shared.config import ServingConfig
+from duplexbus.shared.errors import CallTimeout, Conflict, DuplexError, Overloaded
+from duplexbus.shared.model import Model
+from duplexbus.shared.service import delete_quietly, every, heartbeat
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[dict[str, Any]], None]
+"""Takes one server -> client message; never blocks (bounded, see app.SocketSession)."""
+
+OUTPUT_GRACE_S = 2.0  # after a fin, how long to wait for outputs still in flight
+
+
+@dataclass
+class Call:
+    cid: str
+    request_id: str | None
+    model: str
+    input: CallInput
+    sink: Sink
+    owner: object  # the socket (or request) that opened it
+    live: bool
+    subs: list[Subscription] = field(default_factory=list)
+    next_out: dict[str, int] = field(default_factory=dict)  # partition -> next seq to relay
+    held: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # arrived ahead of a gap
+    fin: wire.Fin | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reply(self, body: dict[str, Any]) -> None:
+        self.sink({"request_id": self.request_id, **body})
+
+
+class FrontendService:
+    def __init__(self, config: ServingConfig, frontend_id: str | None = None) -> None:
+        self.config = config
+        self.frontend_id = frontend_id or subjects.new_process_id("frontend")
+        self.calls: dict[str, Call] = {}  # cid -> call
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self.rids: KeyValue | None = None
+        self.ready = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._limits: dict[str, dict[str, int | None]] = {}
+        self.default_model = config.model
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        self.nc = await bus.connect(self.config, f"duplexbus-{self.frontend_id}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_stream(self.js, self.config)
+        kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS])
+        self.rids = kvs[subjects.KV_REQUEST_IDS]
+        fe = kvs[subjects.KV_FRONTENDS]
+        self.model(self.default_model)  # load (and validate its config limits) before serving
+        hb = wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(heartbeat(fe, self.frontend_id, lambda: wire.encode(hb), self.config.heartbeat_s)),
+            loop.create_task(every(0.25, self._check_timeouts, "timeouts")),
+            loop.create_task(self._wait_for_conductor()),
+        ]
+
+    async def _wait_for_conductor(self) -> None:
+        """Opens are only published once the conductor's durable consumer exists (it starts at NEW)."""
+        assert self.js is not None
+        while True:
+            with contextlib.suppress(NotFoundError, Exception):
+                await self.js.consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
+                self.ready.set()
+                log.info("frontend %s ready", self.frontend_id)
+                return
+            await asyncio.sleep(0.2)
+
+    async def close(self, drain_s: float = 5.0) -> None:
+        """Stop intake (the app refuses new calls), let live calls end, then abort the rest."""
+        self.ready.clear()
+        deadline = time.monotonic() + drain_s
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for call in list(self.calls.values()):
+            await self.abort(call, "frontend shutting down", 503)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.js is not None:
+            with contextlib.suppress(Exception):
+                fe = await self.js.key_value(subjects.KV_FRONTENDS)
+                await delete_quietly(fe, self.frontend_id)
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    def model(self, name: str | None) -> Model:
+        name = name or self.default_model
+        m = get_model(name)
+        if name not in self._limits:
+            # Only the served model's limits come from the config's client_streams.
+            self._limits[name] = self.config.stream_limits(m.topology) if name == self.default_model else {
+                e: c.limits.max_items if c.limits else None for e, c in m.topology.client_edges().items()
+            }
+        return m
+
+    # -- calls -----------------------------------------------------------------
+    async def open_call(self, o: Opening, sink: Sink, owner: object) -> Call:
+        assert self.js is not None and self.nc is not None and self.rids is not None
+        if not self.ready.is_set():
+            raise Overloaded("the frontend is starting or stopping")
+        model_name = o.model or self.default_model
+        model = self.model(model_name)
+        now = time.monotonic()
+        inp = CallInput(model, self._limits[model_name], self.config.max_call_input_bytes, now)
+        live = o.end_input is not True
+        prepared = inp.accept(o.input, opening=True, end=o.end_input, now=now)
+        cid = subjects.new_cid()
+        if o.request_id is not None:
+            try:
+                await self.rids.create(o.request_id, cid.encode())
+            except KeyWrongLastSequenceError:
+                raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
+        call = Call(cid, o.request_id, model_name, inp, sink, owner, live)
+        self.calls[cid] = call
+        try:
+            call.subs.append(await self.nc.subscribe(subjects.out(cid), cb=self._on_out))
+            call.subs.append(await self.nc.subscribe(subjects.fin(cid), cb=self._on_fin))
+            await self._publish_items(cid, prepared)
+            await self.js.publish(
+                subjects.open_(cid),
+                wire.encode(
+                    wire.Open(
+                        cid=cid,
+                        request_id=o.request_id or "",
+                        model=model_name,
+                        frontend_id=self.frontend_id,
+                        model_kwargs=o.input.model_kwargs,
+                        open_streams=sorted(set(inp.edges) - set(prepared.ended)),
+                        published=dict(inp.published),
+                        live=live,
+                    )
+                ),
+                headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.OPEN, "-", 0)},
+            )
+            await self._publish_ends(cid, prepared)
+        except BaseException:
+            await self._cleanup(call)
+            raise
+        return call
+
+    async def append(self, call: Call, a: Append) -> None:
+        """An append; raises for a rejected append (the caller ends the call with its error)."""
+        now = time.monotonic()
+        prepared = call.input.accept(a.input, opening=False, end=a.end_input, now=now)
+        if prepared.late:
+            call.reply({"append": True, "error": f"stream(s) {prepared.late} already ended: items not sent", "status": 400})
+        await self._publish_items(call.cid, prepared)
+        await self._publish_ends(call.cid, prepared)
+
+    async def end_input(self, call: Call, e: EndInput) -> None:
+        prepared = call.input.end_input(e.end_input, time.monotonic())
+        await self._publish_items(call.cid, prepared)
+        await self._publish_ends(call.cid, prepared)
+
+    async def _publish_items(self, cid: str, p: Prepared) -> None:
+        assert self.nc is not None
+        for edge, seq, item in p.items:
+            body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item)))
+            # Core publish: the stream stores it all the same, with no round trip per append.
+            await self.nc.publish(subjects.input_(cid, edge), body, headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.IN, edge, seq)})
+
+    async def _publish_ends(self, cid: str, p: Prepared) -> None:
+        assert self.js is not None
+        for edge, total in p.ended.items():
+            await self.js.publish(
+                subjects.eoi(cid, edge),
+                wire.encode(wire.EndOfInput(total=total)),
+                headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.EOI, edge, 0)},
+            )
+
+    async def abort(self, call: Call, reason: str, status: int, tell_client: bool = False) -> None:
+        """End a call from this side (socket closed, timeout, refused append)."""
+        if call.cid not in self.calls:
+            return
+        if tell_client:
+            call.reply({"error": reason, "status": status})
+        await self._cleanup(call)
+        if self.js is not None:
+            with contextlib.suppress(Exception):
+                await self.js.publish(subjects.abort(call.cid), wire.encode(wire.Abort(reason=reason, status=status)))
+
+    async def _cleanup(self, call: Call) -> None:
+        self.calls.pop(call.cid, None)
+        call.input.close()
+        call.ended.set()
+        for sub in call.subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        call.subs.clear()
+        if call.request_id is not None and self.rids is not None:
+            with contextlib.suppress(Exception):
+                entry = await self.rids.get(call.request_id)
+                if entry.value == call.cid.encode():
+                    await self.rids.delete(call.request_id, last=entry.revision)
+
+    # -- from the bus ----------------------------------------------------------
+    async def _on_out(self, m: Msg) -> None:
+        call = self.calls.get(subjects.parse(m.subject).cid)
+        if call is None:
+            return
+        try:
+            o = wire.decode_as(m.data, wire.OutputMsg)
+        except DuplexError:
+            return
+        nxt = call.next_out.get(o.partition, 0)
+        if o.seq < nxt:
+            return  # a replay after a worker was replaced
+        if o.seq > nxt:
+            if len(call.held) < 10_000:
+                call.held[(o.partition, o.seq)] = o.data
+            return
+        call.reply({"output": o.data})
+        nxt += 1
+        while (o.partition, nxt) in call.held:
+            call.reply({"output": call.held.pop((o.partition, nxt))})
+            nxt += 1
+        call.next_out[o.partition] = nxt
+        if call.fin is not None and self._all_outputs(call):
+            await self._finish(call)
+
+    async def _on_fin(self, m: Msg) -> None:
+        call = self.calls.get(subjects.parse(m.subject).cid)
+        if call is None or call.fin is not None:
+            return
+        try:
+            call.fin = wire.decode_as(m.data, wire.Fin)
+        except DuplexError:
+            return
+        if call.fin.status != 200 or self._all_outputs(call):
+            await self._finish(call)
+        else:
+            asyncio.get_running_loop().call_later(OUTPUT_GRACE_S, lambda: asyncio.ensure_future(self._finish(call)))
+
+    def _all_outputs(self, call: Call) -> bool:
+        assert call.fin is not None
+        return all(call.next_out.get(p, 0) >= n for p, n in call.fin.outputs.items())
+
+    async def _finish(self, call: Call) -> None:
+        if call.cid not in self.calls or call.fin is None:
+            return
+        fin = call.fin
+        if fin.status == 200:
+            if not self._all_outputs(call):
+                log.warning("call %s finished with outputs missing", call.cid)
+            call.reply({"finish": {"reason": fin.reason, "usage": fin.usage}})
+        else:
+            call.reply({"error": fin.error or fin.reason, "status": fin.status})
+        await self._cleanup(call)
+
+    async def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        limit = self.config.request_timeout_s
+        for call in list(self.calls.values()):
+            if call.input.state is InputState.OPEN and call.input.idle_for(now) > limit:
+                err = CallTimeout(f"no input for {limit:g}s (request_timeout_s)")
+                await self.abort(call, err.message, err.status, tell_client=True)
+

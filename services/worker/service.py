@@ -1,0 +1,305 @@
+"""The worker's shell: per-call subscriptions and catch-up reads in, engine actions out.
+
+A worker runs one or more partitions of one model. For each assigned call it
+subscribes (core NATS) to the call's input subjects of those partitions, then
+reads whatever the stream already holds for them (input that arrived before
+placement, I-2; or everything, when it replaces a lost worker). Items are
+numbered, so the overlap of the two is deduplicated by the stream buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from duplexbus.models.registry import get_model
+from duplexbus.services.worker import engine as eng
+from duplexbus.shared import bus, subjects, wire
+from duplexbus.shared.config import ServingConfig
+from duplexbus.shared.errors import DuplexError, Overloaded, WorkerFailed
+from duplexbus.shared.service import delete_quietly, heartbeat
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.02  # how often a partition that wants steps without input (paced audio) is stepped
+
+
+@dataclass
+class _Assigned:
+    cid: str
+    partitions: list[str]
+    subs: list[Subscription] = field(default_factory=list)
+    catchup: asyncio.Task[None] | None = None
+
+
+class _Runner:
+    """One engine and the task that steps it."""
+
+    def __init__(self, engine: eng.Engine, blocking: bool) -> None:
+        self.engine = engine
+        self.blocking = blocking  # run step() in a thread so bus I/O goes on meanwhile
+        self.wake = asyncio.Event()
+        self.lock = asyncio.Lock()  # partition state is not touched while a step runs in a thread
+
+
+class WorkerService:
+    def __init__(self, config: ServingConfig, model: str, partitions: list[str] | None = None, worker_id: str | None = None) -> None:
+        self.config = config
+        self.model = get_model(model)
+        self.model_name = model
+        topo = self.model.topology
+        self.partitions = partitions or list(topo.partitions)
+        for p in self.partitions:
+            if p not in topo.partitions:
+                raise ValueError(f"model {model!r} has no partition {p!r}; it has {topo.partitions}")
+        self.worker_id = worker_id or subjects.new_process_id("worker")
+        self.runners: dict[str, _Runner] = {}
+        for p in self.partitions:
+            part = self.model.create_partition(p)
+            self.runners[p] = _Runner(
+                eng.Engine(p, topo, part, max_batch=config.max_batch), blocking=getattr(part, "blocking", True)
+            )
+        # which partition consumes each edge this worker reads
+        self.consumer_of = {c.edge_name: c.to_partition for c in topo.connections if c.to_partition in self.partitions}
+        self.calls: dict[str, _Assigned] = {}
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self._accepting = True
+
+    @property
+    def load(self) -> int:
+        return len(self.calls)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await bus.connect(self.config, f"duplexbus-{self.worker_id}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_stream(self.js, self.config)
+        kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_WORKERS])
+        kv = kvs[subjects.KV_WORKERS]
+        await self.nc.subscribe(subjects.assign(self.worker_id), cb=self._on_assign)
+        log.info("worker %s serving %s %s", self.worker_id, self.model_name, self.partitions)
+        async with asyncio.TaskGroup() as tg:
+            steppers = [tg.create_task(self._step_loop(name, r)) for name, r in self.runners.items()]
+            hb = tg.create_task(heartbeat(kv, self.worker_id, self._heartbeat, self.config.heartbeat_s))
+            await stop.wait()
+            # Graceful: stop intake (no heartbeat, key deleted), let running calls finish, then cancel.
+            self._accepting = False
+            hb.cancel()
+            await delete_quietly(kv, self.worker_id)
+            await self._drain(timeout=10.0)
+            for t in steppers:
+                t.cancel()
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+    def _heartbeat(self) -> bytes:
+        return wire.encode(
+            wire.WorkerHeartbeat(
+                worker_id=self.worker_id,
+                model=self.model_name,
+                partitions=self.partitions,
+                model_partitions=list(self.model.topology.partitions),
+                capacity=self.config.worker_slots,
+                load=self.load,
+                ts=time.time(),
+            )
+        )
+
+    async def _drain(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.calls:
+            log.warning("stopping with %d calls unfinished", len(self.calls))
+
+    # -- assignment ----------------------------------------------------------
+    async def _on_assign(self, msg: Msg) -> None:
+        try:
+            a = wire.decode_as(msg.data, wire.Assign)
+            await self._assign(a)
+            reply = wire.AssignReply(ok=True)
+        except DuplexError as e:
+            reply = wire.AssignReply(ok=False, error=e.message)
+        except Exception as e:
+            log.exception("assign failed")
+            reply = wire.AssignReply(ok=False, error=str(e))
+        if msg.reply:
+            await msg.respond(wire.encode(reply))
+
+    async def _assign(self, a: wire.Assign) -> None:
+        assert self.nc is not None
+        if not self._accepting:
+            raise Overloaded("worker is shutting down")
+        if a.cid in self.calls:
+            return
+        if self.load >= self.config.worker_slots:
+            raise Overloaded(f"worker {self.worker_id} is full ({self.config.worker_slots} calls)")
+        mine = [p for p in a.partitions if p in self.runners]
+        call = _Assigned(a.cid, mine)
+        self.calls[a.cid] = call
+        for p in mine:
+            r = self.runners[p]
+            async with r.lock:
+                r.engine.add_call(a.cid, a.model_kwargs)
+        edges = [e for p in mine for e in self.runners[p].engine.input_edges()]
+        for e in edges:
+            # in+eoi for client edges, edge+edge_end for inter-partition ones: `*` spans both kinds.
+            call.subs.append(await self.nc.subscribe(f"call.{a.cid}.*.{e}", cb=self._on_data))
+        call.subs.append(await self.nc.subscribe(subjects.abort(a.cid), cb=self._on_end))
+        call.subs.append(await self.nc.subscribe(subjects.fin(a.cid), cb=self._on_end))
+        await self.nc.flush()
+        call.catchup = asyncio.get_running_loop().create_task(self._catch_up(a.cid, edges))
+        for p in mine:
+            self.runners[p].wake.set()
+
+    async def _catch_up(self, cid: str, edges: list[str]) -> None:
+        """Read what the stream holds for the call's input subjects from the start."""
+        assert self.js is not None
+        cfg = ConsumerConfig(
+            filter_subjects=[f"call.{cid}.*.{e}" for e in edges],
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        try:
+            info = await self.js.add_consumer(subjects.STREAM, cfg)
+            pending = info.num_pending or 0
+            if pending == 0:
+                await self.js.delete_consumer(subjects.STREAM, info.name)
+                return
+            sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
+            while pending > 0 and cid in self.calls:
+                try:
+                    msgs = await sub.fetch(min(pending, 512), timeout=2.0)
+                except (NatsTimeout, asyncio.TimeoutError):
+                    break
+                for m in msgs:
+                    await self._on_data(m)
+                    pending = m.metadata.num_pending
+            await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(subjects.STREAM, info.name)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("catch-up read for %s failed", cid)
+
+    # -- data ----------------------------------------------------------------
+    async def _on_data(self, m: Msg) -> None:
+        try:
+            s = subjects.parse(m.subject)
+            msg = wire.decode(m.data)
+        except (ValueError, DuplexError):
+            log.warning("dropping undecodable message on %s", m.subject)
+            return
+        if s.edge is None or s.edge not in self.consumer_of:
+            return
+        r = self.runners[self.consumer_of[s.edge]]
+        if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
+            actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item())
+        elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
+            actions = r.engine.end(s.cid, s.edge, msg.total)
+        else:
+            return
+        r.wake.set()
+        if actions:
+            await self._carry_out(actions, r.engine.name)
+
+    async def _on_end(self, m: Msg) -> None:
+        """The call was aborted or finished elsewhere: forget it."""
+        s = subjects.parse(m.subject)
+        await self._forget(s.cid)
+
+    async def _forget(self, cid: str) -> None:
+        call = self.calls.pop(cid, None)
+        if call is None:
+            return
+        for p in call.partitions:
+            r = self.runners[p]
+            async with r.lock:
+                r.engine.drop_call(cid)
+        await self._unsubscribe(call)
+
+    async def _unsubscribe(self, call: _Assigned) -> None:
+        if call.catchup is not None and not call.catchup.done():
+            call.catchup.cancel()
+        for sub in call.subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        call.subs.clear()
+
+    # -- stepping ------------------------------------------------------------
+    async def _step_loop(self, name: str, r: _Runner) -> None:
+        while True:
+            if not r.engine.has_work():
+                r.wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(r.wake.wait(), timeout=TICK_S * 5)
+                continue
+            async with r.lock:
+                batch = r.engine.next_batch()
+                if not batch:
+                    continue
+                try:
+                    if r.blocking:
+                        emissions = await asyncio.to_thread(r.engine.partition.step, batch)
+                    else:
+                        emissions = r.engine.partition.step(batch)
+                    actions = r.engine.complete(batch, emissions)
+                except Exception as e:  # a model bug fails the batch's calls, not the process (I-4)
+                    log.exception("step of %s failed", name)
+                    err = WorkerFailed(f"partition {name} failed: {e}")
+                    actions = [a for s in batch for a in r.engine.fail_call(s.cid, err)]
+            await self._carry_out(actions, name)
+            await asyncio.sleep(0)  # let bus I/O in between steps
+
+    async def _carry_out(self, actions: list[eng.Action], partition: str) -> None:
+        assert self.nc is not None and self.js is not None
+        nc = self.nc
+        for a in actions:
+            if isinstance(a, eng.PublishOutput):
+                body = wire.encode(wire.OutputMsg(partition=partition, seq=a.seq, data=a.data))
+                await nc.publish(subjects.out(a.cid), body, headers=_msg_id(a.cid, subjects.OUT, partition, a.seq))
+            elif isinstance(a, eng.PublishEdgeItem):
+                body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
+                await nc.publish(subjects.edge(a.cid, a.edge), body, headers=_msg_id(a.cid, subjects.EDGE, a.edge, a.seq))
+            elif isinstance(a, eng.PublishEdgeEnd):
+                await self.js.publish(
+                    subjects.edge_end(a.cid, a.edge),
+                    wire.encode(wire.EdgeEnd(total=a.total)),
+                    headers=_msg_id(a.cid, subjects.EDGE_END, a.edge, 0),
+                )
+            elif isinstance(a, eng.PublishDone):
+                await self.js.publish(
+                    subjects.done(a.cid, partition),
+                    wire.encode(wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)),
+                    headers=_msg_id(a.cid, subjects.DONE, partition, 0),
+                )
+                await self._partition_finished(a.cid, partition)
+            elif isinstance(a, eng.FailCall):
+                log.info("call %s failed in %s: %s", a.cid, partition, a.error.message)
+                await self.js.publish(subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status)))
+                await self._forget(a.cid)
+
+    async def _partition_finished(self, cid: str, partition: str) -> None:
+        call = self.calls.get(cid)
+        if call is None:
+            return
+        if all(cid not in self.runners[p].engine for p in call.partitions):
+            self.calls.pop(cid, None)
+            await self._unsubscribe(call)
+
+
+def _msg_id(cid: str, kind: str, edge: str, seq: int) -> dict[str, str]:
+    return {"Nats-Msg-Id": subjects.msg_id(cid, kind, edge, seq)}

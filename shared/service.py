@@ -1,0 +1,54 @@
+"""What every service process shares: logging, signals, graceful shutdown, heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from nats.js.kv import KeyValue
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("DUPLEXBUS_LOG", "INFO").upper(),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+async def every(period: float, fn: Callable[[], Awaitable[None]], what: str) -> None:
+    """Call `fn` every `period` seconds until cancelled; a failing call is logged, not fatal."""
+    while True:
+        start = time.monotonic()
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed", what)
+        await asyncio.sleep(max(0.0, period - (time.monotonic() - start)))
+
+
+async def heartbeat(kv: KeyValue, key: str, payload: Callable[[], bytes], period: float) -> None:
+    async def beat() -> None:
+        await kv.put(key, payload())
+
+    await every(period, beat, f"heartbeat {key}")
+
+
+async def delete_quietly(kv: KeyValue, key: str) -> None:
+    with contextlib.suppress(Exception):
+        await kv.delete(key)
