@@ -116,6 +116,7 @@ def machine(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],
+        "load_avg_1_5_15": os.getloadavg(),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
@@ -170,13 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             r = bench_mode(p, n, mode, args, context)
             results.append(r)
-            print(f"  {n:>3} calls {mode:>9}: {r['frames_per_s']:>9,.0f} frames/s  {r['ms_per_step']:7.1f} ms/step", flush=True)
+            print(
+                f"  {n:>3} calls {mode:>9}: {r['frames_per_s']:>9,.0f} frames/s  {r['ms_per_step']:7.1f} ms/step",
+                flush=True,
+            )
     print()
     print(table(results))
     if args.json_path:
         doc = {
             "benchmark": "tiny_duplex batching",
-            "command": " ".join([os.path.relpath(sys.argv[0]) if argv is None else "bench/batching.py", *(argv or sys.argv[1:])]),
+            "command": " ".join([".venv/bin/python", "bench/batching.py", *(sys.argv[1:] if argv is None else argv)]),
             "device": p.device,
             "dtype": args.dtype,
             "machine": machine(p.device),

@@ -166,6 +166,8 @@ class TinyNet:
         self.w_head = w(cfg.vocab, d)
         half = d // 2
         self._inv_freq = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float64) / half)
+        self._workspace: torch.Tensor | None = None  # gather buffer, grown on demand
+        self.gather_mode = "auto"  # auto | range | gather (see decode; tests force each)
 
     def new_pool(self, slots: int) -> torch.Tensor:
         import torch
@@ -213,33 +215,57 @@ class TinyNet:
         b, d = len(slots), c.d_model
         lengths = [min(p + 1, c.window) for p in positions]
         span = max(lengths)
+        lo, hi = min(slots), max(slots) + 1
+        use_range = self.gather_mode == "range" or (self.gather_mode == "auto" and hi - lo < 2 * b)
+        if use_range:
+            # attend over the view pool[lo:hi] (no copy); slots in the range that are not in
+            # the batch ride along as dummy rows (query 0, one valid entry) and are dropped
+            rows = hi - lo
+            row_len = [1] * rows
+            for s, n in zip(slots, lengths, strict=True):
+                row_len[s - lo] = n
+            identity = slots == list(range(lo, hi))
+            row_t = torch.tensor([s - lo for s in slots], device=self.device)
+        else:
+            rows, row_len = b, lengths
+        mask = None
+        if min(row_len) < span:
+            valid = torch.tensor(row_len, device=self.device)
+            mask = (torch.arange(span, device=self.device)[None, :] < valid[:, None])[:, None, None, :]
         slot_t = torch.tensor(slots, device=self.device)
         ring_t = torch.tensor([p % c.window for p in positions], device=self.device)
-        mask = None
-        if min(lengths) < span:
-            valid = torch.tensor(lengths, device=self.device)
-            mask = (torch.arange(span, device=self.device)[None, :] < valid[:, None])[:, None, None, :]
         x = self.embed(frames, positions)
         for i, layer in enumerate(self.layers):
             h = F.layer_norm(x, (d,), layer.ln1_w, layer.ln1_b)
             q, k, v = F.linear(h, layer.w_qkv, layer.b_qkv).view(b, 3, c.n_heads, c.head_dim).unbind(1)
             pool[slot_t, i, :, :, ring_t] = torch.stack([k, v], dim=1)  # scatter: [B, 2, H, Dh]
-            kv = self._gather(pool, i, slots, span)  # [B, 2, H, span, Dh]
+            if use_range:
+                kv = pool[lo:hi, i, :, :, :span]  # a view: [rows, 2, H, span, Dh]
+                if not identity:
+                    q = q.new_zeros(rows, c.n_heads, c.head_dim).index_copy_(0, row_t, q)
+            else:
+                kv = self._gather(pool, i, slots, span)  # a copy: [B, 2, H, span, Dh]
             att = F.scaled_dot_product_attention(q[:, :, None, :], kv[:, 0], kv[:, 1], attn_mask=mask)
+            if use_range and not identity:
+                att = att.index_select(0, row_t)
             x = x + F.linear(att.reshape(b, d), layer.w_o, layer.b_o)
             x = self._mlp(x, layer)
         return F.layer_norm(x, (d,), self.lnf_w, self.lnf_b)
 
-    @staticmethod
-    def _gather(pool: torch.Tensor, layer: int, slots: list[int], span: int) -> torch.Tensor:
-        """The first `span` ring entries of each slot, [B, 2, H, span, Dh]. One call: a view.
-        Several: one copy of B contiguous blocks (`torch.stack` of views is 10-25x faster on
-        CPU than advanced indexing `pool[slot_t, layer, :, :, :span]`, and one kernel on GPU)."""
+    def _gather(self, pool: torch.Tensor, layer: int, slots: list[int], span: int) -> torch.Tensor:
+        """The first `span` ring entries of each slot, copied into a reused workspace:
+        [B, 2, H, span, Dh]. `torch.stack(views, out=...)` is B block copies; advanced
+        indexing (`pool[slot_t, layer, :, :, :span]`) is 10-25x slower on CPU, and a fresh
+        output tensor per layer costs ~7x in page faults."""
         import torch
 
-        if len(slots) == 1:
-            return pool[slots[0], layer, :, :, :span].unsqueeze(0)
-        return torch.stack([pool[s, layer, :, :, :span] for s in slots])
+        c = self.cfg
+        shape = (len(slots), 2, c.n_heads, span, c.head_dim)
+        need = math.prod(shape)
+        if self._workspace is None or self._workspace.numel() < need:
+            self._workspace = torch.empty(need, device=self.device, dtype=self.dtype)
+        out = self._workspace[:need].view(shape)
+        return torch.stack([pool[s, layer, :, :, :span] for s in slots], out=out)
 
     def sequence(self, frames: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """A whole call from position 0 without a cache: frames [T, frame] -> hidden [T, d_model],
@@ -256,7 +282,9 @@ class TinyNet:
         kvs = []
         for layer in self.layers:
             h = F.layer_norm(x, (d,), layer.ln1_w, layer.ln1_b)
-            q, k, v = F.linear(h, layer.w_qkv, layer.b_qkv).view(t, 3, c.n_heads, c.head_dim).permute(1, 2, 0, 3).unbind(0)
+            q, k, v = (
+                F.linear(h, layer.w_qkv, layer.b_qkv).view(t, 3, c.n_heads, c.head_dim).permute(1, 2, 0, 3).unbind(0)
+            )
             kvs.append((k, v))
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [H, T, Dh]
             x = x + F.linear(att.transpose(0, 1).reshape(t, d), layer.w_o, layer.b_o)
@@ -364,7 +392,10 @@ class TinyDuplexPartition(Partition):
                 hidden = self.net.decode(self.pool, x, slots, positions)
             else:
                 hidden = torch.cat(
-                    [self.net.decode(self.pool, x[b : b + 1], slots[b : b + 1], positions[b : b + 1]) for b in range(len(cids))]
+                    [
+                        self.net.decode(self.pool, x[b : b + 1], slots[b : b + 1], positions[b : b + 1])
+                        for b in range(len(cids))
+                    ]
                 )
             tokens = self.net.head(hidden).argmax(dim=-1).tolist()
         for s in states:
@@ -415,7 +446,9 @@ class TinyDuplexModel(Model):
                     PARTITION,
                     EDGE,
                     lambda: FixedChunkPolicy(1),
-                    ClientStreamLimits(max_items=MAX_ITEMS, item_size=self.config.frame, unit="samples", sample_rate=SAMPLE_RATE),
+                    ClientStreamLimits(
+                        max_items=MAX_ITEMS, item_size=self.config.frame, unit="samples", sample_rate=SAMPLE_RATE
+                    ),
                 ),
             ],
         )

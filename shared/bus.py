@@ -84,3 +84,15 @@ async def ensure_buckets(js: JetStreamContext, config: ServingConfig, names: lis
             except BadRequestError:
                 out[name] = await js.key_value(name)
     return out
+
+
+async def close(nc: Client, timeout: float = 2.0) -> None:
+    """Flush what is written, then close. (nats-py's drain waits up to 30 s on the KV
+    watchers' consumers; nothing here needs drain: unacked work is redelivered.)"""
+    import asyncio
+    import contextlib
+
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        await asyncio.wait_for(nc.flush(), timeout)
+    with contextlib.suppress(Exception):
+        await nc.close()

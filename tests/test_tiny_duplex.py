@@ -83,23 +83,31 @@ def test_device_override(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_device(None)
 
 
-def test_batched_equals_unbatched_for_different_cache_lengths() -> None:
+@pytest.mark.parametrize("gather_mode", ["auto", "range", "gather"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-slots", "sparse-slots"])
+def test_batched_equals_unbatched_for_different_cache_lengths(gather_mode: str, sparse: bool) -> None:
     """Calls that joined at different times (lengths 1..window, some wrapped) in one pass."""
-    batched, single = partition(), partition()
+    batched, single = partition(max_calls=12), partition(max_calls=12)
+    batched.net.gather_mode = gather_mode
     joins = {"a": 0, "b": 3, "c": 7, "d": 12, "e": 13}  # by step 20: a and b wrapped, e short
     data = {cid: frames_for(i, 25) for i, cid in enumerate(joins)}
     for t in range(20):
         live = [cid for cid, j in joins.items() if j <= t]
         for cid in live:
             if joins[cid] == t:
-                batched.open_call(CallInfo(cid))
-                single.open_call(CallInfo(cid))
+                for p in (batched, single):
+                    p.open_call(CallInfo(cid))
+                    if sparse:  # an idle call between each two live ones: slots 0, 2, 4, ...
+                        p.open_call(CallInfo(f"idle-{cid}"))
+        if t % 2:
+            live.reverse()  # rows not in slot order
         x = np.stack([data[cid][t - joins[cid]] for cid in live])
         tok_b, hid_b = batched.forward(live, x, batched=True)
         tok_s, hid_s = single.forward(live, x, batched=False)
         assert tok_b == tok_s
         torch.testing.assert_close(hid_b, hid_s, atol=ATOL, rtol=ATOL)
-    assert {batched.frames_of(c) for c in joins} == {20, 17, 13, 8, 7}
+    assert [batched.frames_of(c) for c in joins] == [20, 17, 13, 8, 7]
+    assert [batched.slot_of(c) for c in joins] == ([0, 2, 4, 6, 8] if sparse else [0, 1, 2, 3, 4])
 
     # and through the Partition API: the same emissions, in the same order
     batch = [step_input(cid, pcm16(data[cid][20 - joins[cid]])) for cid in joins]
@@ -130,9 +138,11 @@ def test_cached_decoding_matches_the_full_sequence_with_a_sliding_window() -> No
     torch.testing.assert_close(torch.cat(hidden), ref_hidden, atol=ATOL, rtol=ATOL)
 
 
-def test_per_call_state_is_isolated() -> None:
+@pytest.mark.parametrize("gather_mode", ["auto", "range", "gather"])
+def test_per_call_state_is_isolated(gather_mode: str) -> None:
     """A call's outputs do not depend on which calls share its batches or used its slot before."""
     alone, shared = partition(), partition()
+    shared.net.gather_mode = gather_mode
     alone.open_call(CallInfo("a"))
     a = frames_for(7, 20)
     ref = [alone.forward(["a"], f[None]) for f in a]

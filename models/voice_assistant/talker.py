@@ -14,7 +14,8 @@ step never waits for synthesis; with `synth_threads=0` a step synthesizes at mos
 `inline_per_step` pieces itself (deterministic against a fake clock: the tests).
 
 Pacing: the reply's audio is sent in chunks of `chunk_s` (80 ms) at the voice's rate,
-never more than `lead_s` (200 ms) ahead of real time since its first chunk. The
+never more than `lead_s` (200 ms) ahead of real time since its first chunk (a chunk
+goes out once it fits in that lead). The
 engine steps the call while `wants_step` is true (about every 20 ms). After a
 synthesis underrun the timeline restarts from the audio already sent. The reply ends
 (`reply_end`) when its audio has played out in real time, so a call whose input has
@@ -248,9 +249,11 @@ class Talker(Partition):
                 r.t0 = now
             elif r.sent / sr < now - r.t0:
                 r.t0 = now - r.sent / sr  # underrun: the client ran dry; restart the timeline here
-            while r.segments and r.sent / sr < now - r.t0 + self.lead_s:
+            while r.segments:
                 text, audio = r.segments[0]
                 piece = audio[: self.chunk]
+                if (r.sent + len(piece)) / sr > now - r.t0 + self.lead_s + 1e-9:
+                    break  # the client already holds `lead_s` of audio
                 if len(audio) > self.chunk:
                     r.segments[0] = (text, audio[self.chunk :])
                 else:

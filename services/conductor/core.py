@@ -19,6 +19,7 @@ from duplexbus.shared.config import ServingConfig
 
 class CallState(enum.Enum):
     QUEUED = "queued"  # a one-shot waiting for a slot; its input waits in JetStream (I-2)
+    WAITING = "waiting"  # admitted, but no worker serves a partition yet (start-up); input waits in JetStream
     PLACING = "placing"  # assignments sent, not all acknowledged
     RUNNING = "running"
     INPUT_ENDED = "input_ended"  # every client stream ended; waiting for the partitions
@@ -26,10 +27,11 @@ class CallState(enum.Enum):
 
 
 _TRANSITIONS: dict[CallState, set[CallState]] = {
-    CallState.QUEUED: {CallState.PLACING, CallState.FINISHED},
-    CallState.PLACING: {CallState.RUNNING, CallState.INPUT_ENDED, CallState.FINISHED},
-    CallState.RUNNING: {CallState.INPUT_ENDED, CallState.PLACING, CallState.FINISHED},
-    CallState.INPUT_ENDED: {CallState.PLACING, CallState.FINISHED},
+    CallState.QUEUED: {CallState.PLACING, CallState.WAITING, CallState.FINISHED},
+    CallState.WAITING: {CallState.PLACING, CallState.FINISHED},
+    CallState.PLACING: {CallState.RUNNING, CallState.INPUT_ENDED, CallState.WAITING, CallState.FINISHED},
+    CallState.RUNNING: {CallState.INPUT_ENDED, CallState.PLACING, CallState.WAITING, CallState.FINISHED},
+    CallState.INPUT_ENDED: {CallState.PLACING, CallState.WAITING, CallState.FINISHED},
     CallState.FINISHED: set(),
 }
 
@@ -156,6 +158,7 @@ class Call:
     acked: set[str] = field(default_factory=set)  # partitions whose assignment was acknowledged
     done: dict[str, int] = field(default_factory=dict)  # partition -> outputs
     usage: dict[str, Any] = field(default_factory=dict)
+    waiting_since: float = 0.0
 
     def move(self, to: CallState) -> None:
         if to not in _TRANSITIONS[self.state]:
@@ -190,6 +193,7 @@ class Conductor:
         self.calls: dict[str, Call] = {}
         self.queue: deque[str] = deque()
         self.workers: dict[str, Worker] = {}
+        self.clock = 0.0  # the latest time an event brought
 
     # -- queries -------------------------------------------------------------
     @property
@@ -197,6 +201,8 @@ class Conductor:
         return sum(1 for c in self.calls.values() if c.state is not CallState.QUEUED)
 
     def handle(self, ev: Event) -> list[Action]:
+        if isinstance(ev, Opened | Tick):
+            self.clock = max(self.clock, ev.now)
         match ev:
             case Opened():
                 return self._opened(ev)
@@ -247,14 +253,27 @@ class Conductor:
             self.queue.append(call.cid)
             return [SaveRecord(call.record())]
         self.calls[call.cid] = call
-        return self._place(call)
+        return self._place(call, now=ev.now)
 
-    def _place(self, call: Call, only: list[str] | None = None) -> list[Action]:
-        """Each partition on the live worker with the most free slots."""
-        wanted = only or call.partitions
+    def _place(self, call: Call, only: list[str] | None = None, now: float | None = None) -> list[Action]:
+        """Each partition on the live worker with the most free slots.
+
+        Where no worker serves a partition at all (services still starting, or the
+        only one died), the call waits up to placement_timeout_s for one; where
+        workers exist but all are full, it is refused at once.
+        """
+        wanted = only or [p for p in call.partitions if p not in call.done]
         chosen: dict[str, str] = {}
         for p in wanted:
-            candidates = [w for w in self.workers.values() if w.model == call.model and p in w.partitions and w.free > 0]
+            serving = [w for w in self.workers.values() if w.model == call.model and p in w.partitions]
+            candidates = [w for w in serving if w.free > 0]
+            if not serving:
+                for w in chosen.values():
+                    self.workers[w].reserved -= 1
+                if call.state is not CallState.WAITING:
+                    call.move(CallState.WAITING)
+                    call.waiting_since = now if now is not None else self.clock
+                return [SaveRecord(call.record())]
             if not candidates:
                 return self._finish(call, 503, "overloaded", f"no worker can take partition {p!r} of {call.model!r}")
             best = max(candidates, key=lambda w: (w.free, w.worker_id))
@@ -346,9 +365,15 @@ class Conductor:
         w = self.workers.get(hb.worker_id)
         if w is None:
             self.workers[hb.worker_id] = Worker(hb.worker_id, hb.model, list(hb.partitions), hb.capacity, hb.load)
-            return self._admit_queued()
+            return self._retry_waiting() + self._admit_queued()
         w.capacity, w.load, w.reserved = hb.capacity, hb.load, 0
         return self._admit_queued()
+
+    def _retry_waiting(self) -> list[Action]:
+        actions: list[Action] = []
+        for call in [c for c in self.calls.values() if c.state is CallState.WAITING]:
+            actions.extend(self._place(call))
+        return actions
 
     def _worker_lost(self, worker_id: str) -> list[Action]:
         """Re-place the lost worker's partitions: their input is still in the stream,
@@ -365,8 +390,12 @@ class Conductor:
     def _tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         limit = self.config.max_call_duration_s
+        wait = self.config.placement_timeout_s
         for call in list(self.calls.values()):
-            if call.state is not CallState.QUEUED and now - call.created > limit:
+            if call.state is CallState.WAITING and now - call.waiting_since > wait:
+                msg = f"no worker serves {call.model!r} (waited {wait:g}s, placement_timeout_s)"
+                actions.extend(self._abort(call.cid, msg, 503, notify_workers=True))
+            elif call.state is not CallState.QUEUED and now - call.created > limit:
                 actions.extend(self._abort(call.cid, f"max_call_duration_s ({limit:g}s) exceeded", 408, notify_workers=True))
         return actions
 

@@ -76,8 +76,7 @@ class ConductorService:
                 for t in tasks:
                     t.cancel()
         finally:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
+            await bus.close(self.nc)
 
     async def _restore(self) -> None:
         kv = self.kv[subjects.KV_CALLS]

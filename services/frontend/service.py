@@ -116,8 +116,7 @@ class FrontendService:
                 fe = await self.js.key_value(subjects.KV_FRONTENDS)
                 await delete_quietly(fe, self.frontend_id)
         if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
+            await bus.close(self.nc)
 
     def model(self, name: str | None) -> Model:
         name = name or self.default_model

@@ -99,8 +99,7 @@ class WorkerService:
             await self._drain(timeout=10.0)
             for t in steppers:
                 t.cancel()
-        with contextlib.suppress(Exception):
-            await self.nc.drain()
+        await bus.close(self.nc)
 
     def _heartbeat(self) -> bytes:
         return wire.encode(
