@@ -19,6 +19,7 @@ from `preroll_s` before its start to its end decision (trailing silence included
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +45,11 @@ def load_vad_network() -> Any:
 
     threads = torch.get_num_threads()
     try:
-        from silero_vad import load_silero_vad
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # importlib.resources.path, torch.jit.load
+            from silero_vad import load_silero_vad
 
-        model = load_silero_vad(onnx=False)
+            model = load_silero_vad(onnx=False)
     finally:
         torch.set_num_threads(threads)
     model.eval()

@@ -1,0 +1,231 @@
+"""Test helpers: the services as real processes on a real nats-server, and a WS client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import nats
+import numpy as np
+import websockets
+import yaml
+
+from duplexbus.shared import subjects
+from duplexbus.shared.embedded import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        with open(self.log, "ab") as out:
+            self.p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.kill(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.alive():
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Stack:
+    """Conductor, workers and frontends as separate processes on one nats-server.
+
+    The stream and buckets are deleted first, so each stack starts from a clean bus.
+    """
+
+    def __init__(self, nats_url: str, config: dict[str, Any] | None = None) -> None:
+        self.nats_url = nats_url
+        self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-stack-"))
+        cfg = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0, **(config or {})}
+        self.config_path = self.dir / "config.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        self.config = cfg
+        self.procs: dict[str, Proc] = {}
+        self.ports: list[int] = []
+        self.env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1", "DUPLEXBUS_LOG": "INFO"}
+
+    def _argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "duplexbus.cli", *args, "--config", str(self.config_path)]
+
+    async def reset_bus(self) -> None:
+        nc = await nats.connect(self.nats_url)
+        js = nc.jetstream()
+        with contextlib.suppress(Exception):
+            await js.delete_stream(subjects.STREAM)
+        for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS, subjects.KV_CALLS, subjects.KV_REQUEST_IDS):
+            with contextlib.suppress(Exception):
+                await js.delete_key_value(b)
+        await nc.close()
+
+    def start_conductor(self) -> Proc:
+        return self._start("conductor", self._argv("conductor"))
+
+    def start_worker(self, name: str, partitions: list[str] | None = None) -> Proc:
+        extra = [a for p in (partitions or []) for a in ("--partition", p)]
+        return self._start(name, self._argv("worker", *extra))
+
+    def start_frontend(self, name: str = "frontend-0") -> int:
+        port = free_port()
+        self._start(name, self._argv("frontend", "--port", str(port)))
+        self.ports.append(port)
+        return port
+
+    def _start(self, name: str, argv: list[str]) -> Proc:
+        p = Proc(name, argv, self.env, self.dir)
+        self.procs[name] = p
+        return p
+
+    async def start(self, workers: list[list[str] | None] | None = None, frontends: int = 1) -> Stack:
+        await self.reset_bus()
+        self.start_conductor()
+        for i, parts in enumerate(workers if workers is not None else [None]):
+            self.start_worker(f"worker-{i}", parts)
+        for i in range(frontends):
+            self.start_frontend(f"frontend-{i}")
+        for port in self.ports:
+            await self.wait_ready(port)
+        return self
+
+    async def wait_ready(self, port: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                ok = await asyncio.to_thread(_get_ok, f"http://127.0.0.1:{port}/healthz")
+                if ok:
+                    return
+            dead = [p for p in self.procs.values() if not p.alive()]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} died:\n{dead[0].tail()}")
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"frontend on {port} not ready:\n" + "\n".join(p.tail(10) for p in self.procs.values()))
+
+    async def wait_workers(self, n: int, timeout: float = 30.0) -> None:
+        """Until n worker heartbeats are in the bucket."""
+        nc = await nats.connect(self.nats_url)
+        try:
+            js = nc.jetstream()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    kv = await js.key_value(subjects.KV_WORKERS)
+                    if len(await kv.keys()) >= n:
+                        return
+                await asyncio.sleep(0.1)
+            raise TimeoutError(f"fewer than {n} workers registered")
+        finally:
+            await nc.close()
+
+    def ws_url(self, i: int = 0) -> str:
+        return f"ws://127.0.0.1:{self.ports[i]}/generate/ws"
+
+    def http_url(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.ports[i]}"
+
+    def stop(self) -> None:
+        order = sorted(self.procs.values(), key=lambda p: (not p.name.startswith("frontend"), p.name.startswith("conductor")))
+        for p in order:
+            p.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.tail()}" for p in self.procs.values())
+
+
+def _get_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as r:
+        return bool(r.status == 200)
+
+
+def pcm(samples: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(samples, dtype="<i2").tobytes()).decode()
+
+
+def pcm_file(samples: np.ndarray, name: str = "a.pcm", stream: str | None = None) -> dict[str, Any]:
+    f = {"name": name, "data": pcm(samples)}
+    if stream:
+        f["stream"] = stream
+    return f
+
+
+class WS:
+    """A client socket with a receive buffer, for protocol tests."""
+
+    def __init__(self, ws: websockets.ClientConnection) -> None:
+        self.ws = ws
+        self.inbox: list[dict[str, Any]] = []
+
+    @classmethod
+    async def connect(cls, url: str) -> WS:
+        return cls(await websockets.connect(url, max_size=None))
+
+    async def send(self, msg: dict[str, Any] | str) -> None:
+        await self.ws.send(msg if isinstance(msg, str) else json.dumps(msg))
+
+    async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
+        return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+
+    async def until(self, pred: Any, timeout: float = 20.0) -> dict[str, Any]:
+        """The first message (kept or new) matching pred; others stay in the inbox."""
+        for i, m in enumerate(self.inbox):
+            if pred(m):
+                return self.inbox.pop(i)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no matching message; inbox: {[_short(m) for m in self.inbox[-5:]]}")
+            m = await self.recv(left)
+            if pred(m):
+                return m
+            self.inbox.append(m)
+
+    async def final(self, rid: str, timeout: float = 20.0) -> dict[str, Any]:
+        """The finish or error that ends call `rid`."""
+        return await self.until(lambda m: m.get("request_id") == rid and ("finish" in m or ("error" in m and not m.get("append"))), timeout)
+
+    def outputs(self, rid: str) -> list[dict[str, Any]]:
+        out = [m["output"] for m in self.inbox if m.get("request_id") == rid and "output" in m]
+        self.inbox = [m for m in self.inbox if not (m.get("request_id") == rid and "output" in m)]
+        return out
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+def _short(m: dict[str, Any]) -> dict[str, Any]:
+    if "output" in m and isinstance(m["output"], dict) and "audio" in m["output"]:
+        return {**m, "output": {**m["output"], "audio": "..."}}
+    return m
+
+
+def echo_bytes(outputs: list[dict[str, Any]]) -> bytes:
+    return b"".join(base64.b64decode(o["audio"]) for o in outputs)

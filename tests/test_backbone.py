@@ -1,0 +1,157 @@
+"""The backbone end to end: services as separate processes on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import nats
+import numpy as np
+import pytest
+
+from duplexbus.shared import subjects
+from duplexbus.shared.audio import encode_wav
+from tests.helpers import WS, Stack, echo_bytes, pcm_file
+
+FRAME = 1280
+
+
+def padded(samples: np.ndarray) -> bytes:
+    n = -(-len(samples) // FRAME) * FRAME
+    out = np.zeros(n, dtype="<i2")
+    out[: len(samples)] = samples
+    return out.tobytes()
+
+
+@pytest.fixture(scope="module")
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    # Each partition in its own worker process, so the inter-partition edge crosses the bus.
+    s = Stack(nats_url, {"model": "echo"})
+    await s.start(workers=[["Encoder"], ["Talker"]])
+    await s.wait_workers(2)
+    yield s
+    s.stop()
+
+
+async def run_call(ws: WS, rid: str, samples: np.ndarray, sizes: list[int]) -> list[dict]:
+    await ws.send({"request_id": rid})
+    pos = 0
+    for n in sizes:
+        await ws.send({"request_id": rid, "append": [pcm_file(samples[pos : pos + n])]})
+        pos += n
+    await ws.send({"request_id": rid, "end_input": True})
+    final = await ws.final(rid, timeout=60)
+    assert "finish" in final, final
+    return ws.outputs(rid)
+
+
+async def test_twenty_concurrent_live_calls_every_byte_in_order(stack: Stack) -> None:
+    rng = random.Random(7)
+    sockets = [await WS.connect(stack.ws_url()) for _ in range(4)]
+    calls = []
+    for i in range(20):
+        sizes = [rng.randint(1, 24_000) for _ in range(rng.randint(3, 25))]
+        samples = np.array([rng.randint(-32768, 32767) for _ in range(sum(sizes))], dtype="<i2")
+        calls.append((f"c{i}", samples, sizes))
+
+    async def one(i: int) -> None:
+        rid, samples, sizes = calls[i]
+        ws = sockets[i % 4]
+        await ws.send({"request_id": rid})
+        pos = 0
+        for n in sizes:
+            await ws.send({"request_id": rid, "append": [pcm_file(samples[pos : pos + n])]})
+            pos += n
+            await asyncio.sleep(rng.random() * 0.02)
+        await ws.send({"request_id": rid, "end_input": True})
+
+    await asyncio.gather(*(one(i) for i in range(20)))
+    for i, (rid, samples, _) in enumerate(calls):
+        ws = sockets[i % 4]
+        final = await ws.final(rid, timeout=60)
+        assert "finish" in final, final
+        outs = ws.outputs(rid)
+        assert [o["frame"] for o in outs] == list(range(len(outs)))
+        assert echo_bytes(outs) == padded(samples), f"{rid}: bytes differ"
+        assert final["finish"]["usage"]["frames"] == len(outs)
+    for ws in sockets:
+        await ws.close()
+
+
+async def conductor_delivered(nats_url: str) -> int:
+    nc = await nats.connect(nats_url)
+    try:
+        info = await nc.jetstream().consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
+        assert info.delivered is not None
+        return int(info.delivered.consumer_seq or 0)
+    finally:
+        await nc.close()
+
+
+async def test_conductor_messages_do_not_grow_with_appends(stack: Stack) -> None:
+    """I-1: the conductor receives as many messages for 1,000 appends as for 10."""
+    nc = await nats.connect(stack.nats_url)
+    info = await nc.jetstream().consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
+    await nc.close()
+    filters = info.config.filter_subjects or []
+    assert filters and not any(f".{k}" in f for f in filters for k in ("in", "edge", "out"))
+
+    ws = await WS.connect(stack.ws_url())
+    counts = []
+    for n in (10, 1000):
+        before = await conductor_delivered(stack.nats_url)
+        samples = np.arange(n * 160, dtype=np.int64).astype("<i2")
+        await run_call(ws, f"count{n}", samples, [160] * n)
+        await asyncio.sleep(0.5)  # let the conductor's acks land
+        counts.append(await conductor_delivered(stack.nats_url) - before)
+    await ws.close()
+    assert counts[0] == counts[1], counts
+    assert counts[0] <= 6, counts  # open, eoi, two dones
+
+
+async def test_call_cli_round_trip(stack: Stack, tmp_path) -> None:
+    rng = np.random.default_rng(3)
+    samples = rng.integers(-20000, 20000, 16000 * 2 + 333).astype("<i2")
+    wav = tmp_path / "in.wav"
+    wav.write_bytes(encode_wav(samples, 16000))
+    out = tmp_path / "reply.wav"
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "duplexbus.cli", "call", str(wav), "--url", stack.ws_url(), "--fast", "--quiet", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    import wave
+
+    with wave.open(str(out)) as w:
+        got = w.readframes(w.getnframes())
+    assert got == padded(samples)
+    assert "finish" in proc.stderr
+
+
+async def test_input_before_any_worker_is_not_lost(nats_url: str) -> None:
+    """I-2: every append published before a worker exists is processed once one starts."""
+    s = Stack(nats_url, {"model": "echo", "placement_timeout_s": 60})
+    await s.start(workers=[])
+    try:
+        ws = await WS.connect(s.ws_url())
+        samples = np.arange(40 * FRAME, dtype=np.int64).astype("<i2")
+        await ws.send({"request_id": "early"})
+        for k in range(40):
+            await ws.send({"request_id": "early", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
+        await ws.send({"request_id": "early", "end_input": True})
+        await asyncio.sleep(1.5)
+        assert not [m for m in ws.inbox if "output" in m]
+        s.start_worker("late-worker")
+        final = await ws.final("early", timeout=60)
+        assert "finish" in final, final
+        outs = ws.outputs("early")
+        assert echo_bytes(outs) == samples.tobytes()
+        await ws.close()
+    finally:
+        s.stop()
