@@ -165,6 +165,7 @@ def run(n_calls: int, audio: np.ndarray, said: list[str], parts: dict[str, Parti
         "reply_audio_s": round(out_s, 2),
         "wall_s": round(wall, 2),
         "wer": None if wer is None else round(wer, 3),
+        "transcripts": finals[0],
         "partitions": rows,
     }
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,7 +32,7 @@ async def read_call(js: JetStreamContext, cid: str) -> AsyncIterator[tuple[str, 
         while pending > 0:
             try:
                 msgs = await sub.fetch(min(pending, 512), timeout=2.0)
-            except (NatsTimeout, asyncio.TimeoutError):
+            except (TimeoutError, NatsTimeout):
                 return
             for m in msgs:
                 pending = m.metadata.num_pending

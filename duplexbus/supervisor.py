@@ -43,7 +43,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
 
     def start(self, base_env: dict[str, str], log_dir: Path) -> None:
-        out = open(log_dir / f"{self.name}.log", "ab")  # noqa: SIM115 - the child owns it
+        out = open(log_dir / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(
             self.argv,
             env={**base_env, **self.env},
@@ -81,7 +81,9 @@ def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
             children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
     for i in range(opts.frontends):
         port = opts.port + i
-        children.append(Child(f"frontend-{i}", [*py, "frontend", *common, "--host", opts.host, "--port", str(port)], order=0))
+        children.append(
+            Child(f"frontend-{i}", [*py, "frontend", *common, "--host", opts.host, "--port", str(port)], order=0)
+        )
     return children
 
 

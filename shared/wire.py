@@ -182,7 +182,7 @@ AnyMsg = (
 )
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(AnyMsg)  # type: ignore[arg-type]
+_decoder = msgspec.msgpack.Decoder(AnyMsg)
 
 
 def encode(msg: Msg) -> bytes:

@@ -32,7 +32,9 @@ class Proc:
         self.name = name
         self.log = log_dir / f"{name}.log"
         with open(self.log, "ab") as out:
-            self.p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.p = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
 
     def alive(self) -> bool:
         return self.p.poll() is None
@@ -152,7 +154,9 @@ class Stack:
         return f"http://127.0.0.1:{self.ports[i]}"
 
     def stop(self) -> None:
-        order = sorted(self.procs.values(), key=lambda p: (not p.name.startswith("frontend"), p.name.startswith("conductor")))
+        order = sorted(
+            self.procs.values(), key=lambda p: (not p.name.startswith("frontend"), p.name.startswith("conductor"))
+        )
         for p in order:
             p.stop()
 
@@ -210,7 +214,9 @@ class WS:
 
     async def final(self, rid: str, timeout: float = 20.0) -> dict[str, Any]:
         """The finish or error that ends call `rid`."""
-        return await self.until(lambda m: m.get("request_id") == rid and ("finish" in m or ("error" in m and not m.get("append"))), timeout)
+        return await self.until(
+            lambda m: m.get("request_id") == rid and ("finish" in m or ("error" in m and not m.get("append"))), timeout
+        )
 
     def outputs(self, rid: str) -> list[dict[str, Any]]:
         out = [m["output"] for m in self.inbox if m.get("request_id") == rid and "output" in m]

@@ -120,7 +120,19 @@ async def test_call_cli_round_trip(stack: Stack, tmp_path) -> None:
     out = tmp_path / "reply.wav"
     proc = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "duplexbus.cli", "call", str(wav), "--url", stack.ws_url(), "--fast", "--quiet", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "duplexbus.cli",
+            "call",
+            str(wav),
+            "--url",
+            stack.ws_url(),
+            "--fast",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -92,7 +92,9 @@ class Tick:
     now: float
 
 
-Event = Opened | InputEnded | PartitionDone | AbortRequested | AssignResult | WorkerSeen | WorkerLost | FrontendLost | Tick
+Event = (
+    Opened | InputEnded | PartitionDone | AbortRequested | AssignResult | WorkerSeen | WorkerLost | FrontendLost | Tick
+)
 
 
 # -- actions -----------------------------------------------------------------
@@ -288,7 +290,11 @@ class Conductor:
             by_worker.setdefault(w, []).append(p)
         actions: list[Action] = [SaveRecord(call.record())]
         for w, parts in by_worker.items():
-            actions.append(SendAssign(w, wire.Assign(cid=call.cid, model=call.model, partitions=parts, model_kwargs=call.model_kwargs)))
+            actions.append(
+                SendAssign(
+                    w, wire.Assign(cid=call.cid, model=call.model, partitions=parts, model_kwargs=call.model_kwargs)
+                )
+            )
         return actions
 
     def _assign_result(self, ev: AssignResult) -> list[Action]:
@@ -296,7 +302,9 @@ class Conductor:
         if call is None or call.state is CallState.FINISHED:
             return []
         if not ev.ok:
-            return self._abort(call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True)
+            return self._abort(
+                call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True
+            )
         call.acked.update(p for p in ev.partitions if call.placement.get(p) == ev.worker_id)
         if call.state is CallState.PLACING and call.acked >= set(call.partitions):
             call.move(CallState.INPUT_ENDED if not call.open_streams else CallState.RUNNING)
@@ -396,7 +404,9 @@ class Conductor:
                 msg = f"no worker serves {call.model!r} (waited {wait:g}s, placement_timeout_s)"
                 actions.extend(self._abort(call.cid, msg, 503, notify_workers=True))
             elif call.state is not CallState.QUEUED and now - call.created > limit:
-                actions.extend(self._abort(call.cid, f"max_call_duration_s ({limit:g}s) exceeded", 408, notify_workers=True))
+                actions.extend(
+                    self._abort(call.cid, f"max_call_duration_s ({limit:g}s) exceeded", 408, notify_workers=True)
+                )
         return actions
 
     # -- recovery ------------------------------------------------------------

@@ -94,7 +94,7 @@ class ConductorService:
         while True:
             try:
                 msgs = await sub.fetch(256, timeout=1.0)
-            except (NatsTimeout, asyncio.TimeoutError):
+            except (TimeoutError, NatsTimeout):
                 continue
             for m in msgs:
                 self.received += 1
@@ -123,7 +123,9 @@ class ConductorService:
                 asyncio.get_running_loop().create_task(self._assign(a))
             elif isinstance(a, core.PublishFin):
                 await self.js.publish(
-                    subjects.fin(a.cid), wire.encode(a.msg), headers={"Nats-Msg-Id": subjects.msg_id(a.cid, subjects.FIN, "-", 0)}
+                    subjects.fin(a.cid),
+                    wire.encode(a.msg),
+                    headers={"Nats-Msg-Id": subjects.msg_id(a.cid, subjects.FIN, "-", 0)},
                 )
                 await self._release_request_id(a.request_id, a.cid)
             elif isinstance(a, core.PublishAbort):
@@ -145,10 +147,12 @@ class ConductorService:
         assert self.nc is not None
         ok, error = False, None
         try:
-            reply = await self.nc.request(subjects.assign(a.worker_id), wire.encode(a.msg), timeout=self.config.placement_timeout_s)
+            reply = await self.nc.request(
+                subjects.assign(a.worker_id), wire.encode(a.msg), timeout=self.config.placement_timeout_s
+            )
             r = wire.decode_as(reply.data, wire.AssignReply)
             ok, error = r.ok, r.error
-        except (NatsTimeout, asyncio.TimeoutError):
+        except (TimeoutError, NatsTimeout):
             error = "no reply"
         except Exception as e:
             error = str(e)

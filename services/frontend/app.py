@@ -77,7 +77,13 @@ class SocketSession:
             elif isinstance(msg, AbortCall):
                 call = self.live(msg.request_id)
                 if call is None:
-                    self.send({"request_id": msg.request_id, "error": "no live call with this request_id on this socket", "status": 404})
+                    self.send(
+                        {
+                            "request_id": msg.request_id,
+                            "error": "no live call with this request_id on this socket",
+                            "status": 404,
+                        }
+                    )
                 else:
                     await self.service.abort(call, "aborted by the client", 499, tell_client=True)
         except DuplexError as e:
@@ -103,11 +109,13 @@ class SocketSession:
     async def _append(self, a: Append | EndInput) -> None:
         call = self.live(a.request_id)
         if call is None:
-            self.send({"request_id": a.request_id, "append": True, "status": 404,
-                       "error": "no live call with this request_id on this socket (ended, or opened elsewhere)"})  # fmt: skip
+            err = "no live call with this request_id on this socket (ended, or opened elsewhere)"
+            self.send({"request_id": a.request_id, "append": True, "status": 404, "error": err})
             return
         if call.input.state is not InputState.OPEN:
-            self.send({"request_id": a.request_id, "append": True, "status": 409, "error": "the call's input has ended"})
+            self.send(
+                {"request_id": a.request_id, "append": True, "status": 409, "error": "the call's input has ended"}
+            )
             return
         try:
             if isinstance(a, Append):
@@ -170,7 +178,9 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         try:
             call = await svc.open_call(msg, sink, request)
         except DuplexError as e:
-            return JSONResponse({"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status)
+            return JSONResponse(
+                {"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status
+            )
 
         async def lines() -> AsyncIterator[bytes]:
             try:
@@ -187,7 +197,9 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
 
     async def healthz(request: Request) -> Response:
         ok = svc.ready.is_set()
-        return JSONResponse({"ready": ok, "frontend_id": svc.frontend_id, "calls": len(svc.calls)}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"ready": ok, "frontend_id": svc.frontend_id, "calls": len(svc.calls)}, status_code=200 if ok else 503
+        )
 
     async def index(request: Request) -> Response:
         page = STATIC / "index.html"

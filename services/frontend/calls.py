@@ -69,7 +69,10 @@ class CallInput:
         live = {e: d for e, d in data.items() if e in self.open_streams}
         out.late = sorted(e for e in data if e not in self.open_streams)
         if not opening and not live and not ending and not out.late:
-            raise BadRequest("the input produced no stream item" + (" (text-only, and the model has no text stream)" if inp.text and not inp.files else ""))
+            raise BadRequest(
+                "the input produced no stream item"
+                + (" (text-only, and the model has no text stream)" if inp.text and not inp.files else "")
+            )
         if self.input_bytes + file_bytes > self.max_input_bytes and live:
             mb = self.max_input_bytes / (1024 * 1024)
             raise LimitExceeded("max_call_input_mb", f"the call's files exceed {mb:g} MiB")
@@ -82,7 +85,9 @@ class CallInput:
             if edge not in live and self._count(edge, None, flush=True):
                 limit = self.max_items.get(edge)
                 if limit is not None and self.published[edge] + 1 > limit:
-                    raise LimitExceeded(f"client_streams.{edge}.max_items", f"more than {limit} items on stream {edge!r}")
+                    raise LimitExceeded(
+                        f"client_streams.{edge}.max_items", f"more than {limit} items on stream {edge!r}"
+                    )
         # Committed from here on.
         if live:
             self.input_bytes += file_bytes
@@ -110,7 +115,7 @@ class CallInput:
         return out
 
     def _streams_to_end(self, end: bool | list[str] | None) -> list[str]:
-        if end is None:
+        if end is None or end is False:
             return []
         if end is True:
             return sorted(self.open_streams)

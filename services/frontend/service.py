@@ -123,9 +123,11 @@ class FrontendService:
         m = get_model(name)
         if name not in self._limits:
             # Only the served model's limits come from the config's client_streams.
-            self._limits[name] = self.config.stream_limits(m.topology) if name == self.default_model else {
-                e: c.limits.max_items if c.limits else None for e, c in m.topology.client_edges().items()
-            }
+            self._limits[name] = (
+                self.config.stream_limits(m.topology)
+                if name == self.default_model
+                else {e: c.limits.max_items if c.limits else None for e, c in m.topology.client_edges().items()}
+            )
         return m
 
     # -- calls -----------------------------------------------------------------
@@ -178,7 +180,9 @@ class FrontendService:
         now = time.monotonic()
         prepared = call.input.accept(a.input, opening=False, end=a.end_input, now=now)
         if prepared.late:
-            call.reply({"append": True, "error": f"stream(s) {prepared.late} already ended: items not sent", "status": 400})
+            call.reply(
+                {"append": True, "error": f"stream(s) {prepared.late} already ended: items not sent", "status": 400}
+            )
         await self._publish_items(call.cid, prepared)
         await self._publish_ends(call.cid, prepared)
 
@@ -192,7 +196,9 @@ class FrontendService:
         for edge, seq, item in p.items:
             body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item)))
             # Core publish: the stream stores it all the same, with no round trip per append.
-            await self.nc.publish(subjects.input_(cid, edge), body, headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.IN, edge, seq)})
+            await self.nc.publish(
+                subjects.input_(cid, edge), body, headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.IN, edge, seq)}
+            )
 
     async def _publish_ends(self, cid: str, p: Prepared) -> None:
         assert self.js is not None
@@ -289,4 +295,3 @@ class FrontendService:
             if call.input.state is InputState.OPEN and call.input.idle_for(now) > limit:
                 err = CallTimeout(f"no input for {limit:g}s (request_timeout_s)")
                 await self.abort(call, err.message, err.status, tell_client=True)
-

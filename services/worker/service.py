@@ -53,7 +53,9 @@ class _Runner:
 
 
 class WorkerService:
-    def __init__(self, config: ServingConfig, model: str, partitions: list[str] | None = None, worker_id: str | None = None) -> None:
+    def __init__(
+        self, config: ServingConfig, model: str, partitions: list[str] | None = None, worker_id: str | None = None
+    ) -> None:
         self.config = config
         self.model = get_model(model)
         self.model_name = model
@@ -181,7 +183,7 @@ class WorkerService:
             while pending > 0 and cid in self.calls:
                 try:
                     msgs = await sub.fetch(min(pending, 512), timeout=2.0)
-                except (NatsTimeout, asyncio.TimeoutError):
+                except (TimeoutError, NatsTimeout):
                     break
                 for m in msgs:
                     await self._on_data(m)
@@ -272,7 +274,9 @@ class WorkerService:
                 await nc.publish(subjects.out(a.cid), body, headers=_msg_id(a.cid, subjects.OUT, partition, a.seq))
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
-                await nc.publish(subjects.edge(a.cid, a.edge), body, headers=_msg_id(a.cid, subjects.EDGE, a.edge, a.seq))
+                await nc.publish(
+                    subjects.edge(a.cid, a.edge), body, headers=_msg_id(a.cid, subjects.EDGE, a.edge, a.seq)
+                )
             elif isinstance(a, eng.PublishEdgeEnd):
                 await self.js.publish(
                     subjects.edge_end(a.cid, a.edge),
@@ -282,13 +286,17 @@ class WorkerService:
             elif isinstance(a, eng.PublishDone):
                 await self.js.publish(
                     subjects.done(a.cid, partition),
-                    wire.encode(wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)),
+                    wire.encode(
+                        wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
+                    ),
                     headers=_msg_id(a.cid, subjects.DONE, partition, 0),
                 )
                 await self._partition_finished(a.cid, partition)
             elif isinstance(a, eng.FailCall):
                 log.info("call %s failed in %s: %s", a.cid, partition, a.error.message)
-                await self.js.publish(subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status)))
+                await self.js.publish(
+                    subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status))
+                )
                 await self._forget(a.cid)
 
     async def _partition_finished(self, cid: str, partition: str) -> None:

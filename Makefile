@@ -1,0 +1,42 @@
+# Two commands: `make up` serves the default model on http://127.0.0.1:8000,
+# `make test` runs the whole suite. Both create .venv and install when needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: up test lint typecheck bench clean system-deps
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Reinstall only when the dependencies change (a second `make up` starts in seconds).
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[models,dev]'
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/duplexbus up $(ARGS)
+
+system-deps:
+	@bash scripts/system-deps.sh
+
+test: $(STAMP) system-deps
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy -p duplexbus.shared -p duplexbus.services -p duplexbus.clients -p duplexbus.models -p duplexbus.cli -p duplexbus.supervisor
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf .run
