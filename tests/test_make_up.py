@@ -1,0 +1,104 @@
+"""`make up` as a person runs it: starts in seconds when installed, serves, and Ctrl-C leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from duplexbus.shared.audio import encode_wav
+from duplexbus.shared.embedded import free_port
+from tests.helpers import REPO
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def procs_mentioning(text: str) -> list[str]:
+    """Processes whose command line or environment mentions `text`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd or text in env:
+            out.append(f"{pid}: {cmd}")
+    return out
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+    port = free_port()
+    run_dir = tmp_path / "run"
+    env = {**os.environ}
+    env.pop("NATS_URL", None)  # the embedded server, as on a fresh machine
+    args = f"--model echo --port {port} --run-dir {run_dir}"
+    start = time.monotonic()
+    make = subprocess.Popen(
+        ["make", "-s", "up", f"ARGS={args}"], cwd=REPO, env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = start + 120
+        ready = False
+        while time.monotonic() < deadline and make.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                    ready = r.status == 200
+            except OSError:
+                pass
+            if ready:
+                break
+            time.sleep(0.1)
+        startup = time.monotonic() - start
+        assert ready, f"not ready; make exited {make.poll()}"
+        # Already installed: no pip run, so start-up takes seconds.
+        assert startup < 30, f"make up took {startup:.1f}s to serve"
+
+        samples = (np.sin(np.arange(16000 * 2) / 7) * 9000).astype("<i2")
+        wav = tmp_path / "in.wav"
+        wav.write_bytes(encode_wav(samples, 16000))
+        reply = tmp_path / "reply.wav"
+        call = subprocess.run(
+            [sys.executable, "-m", "duplexbus.cli", "call", str(wav), "--fast", "--quiet", "--out", str(reply),
+             "--url", f"ws://127.0.0.1:{port}/generate/ws"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert call.returncode == 0, call.stderr
+        import wave
+
+        with wave.open(str(reply)) as w:
+            got = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+        assert np.array_equal(got[: len(samples)], samples)
+        assert not got[len(samples) :].any()
+    finally:
+        os.killpg(make.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        try:
+            out, _ = make.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(make.pid, signal.SIGKILL)
+            out, _ = make.communicate()
+            pytest.fail(f"make up did not stop on Ctrl-C:\n{out}")
+    time.sleep(0.5)
+    assert "stopped" in out
+    nats_url = next(line.split(" on ")[1].split(",")[0] for line in out.splitlines() if "nats-server (embedded)" in line)
+    assert not procs_mentioning(str(run_dir)), procs_mentioning(str(run_dir))
+    # every child had NATS_URL set to the embedded server: none of them is left
+    assert not procs_mentioning(f"NATS_URL={nats_url}"), procs_mentioning(nats_url)
+    assert not listening(port)
+    assert not listening(int(nats_url.rsplit(":", 1)[1]))
