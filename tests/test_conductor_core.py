@@ -1,0 +1,159 @@
+"""The conductor's pure core: admission, placement, completion, liveness, recovery."""
+
+from __future__ import annotations
+
+from duplexbus.services.conductor import core
+from duplexbus.shared import wire
+from duplexbus.shared.config import parse_config
+
+PARTS = ["Encoder", "Talker"]
+
+
+def conductor(**cfg: object) -> core.Conductor:
+    return core.Conductor(parse_config({"max_concurrent_requests": 2, "max_queued_requests": 1, **cfg}))
+
+
+def hb(worker: str, parts: list[str], capacity: int = 10, load: int = 0) -> core.WorkerSeen:
+    return core.WorkerSeen(
+        wire.WorkerHeartbeat(worker_id=worker, model="echo", partitions=parts, model_partitions=PARTS, capacity=capacity, load=load, ts=0.0)
+    )
+
+
+def opened(cid: str, live: bool = True, now: float = 0.0) -> core.Opened:
+    msg = wire.Open(cid=cid, request_id=f"r{cid}", model="echo", frontend_id="fe1", open_streams=["audio_in"] if live else [], live=live)
+    return core.Opened(msg, now)
+
+
+def assigns(actions: list[core.Action]) -> dict[str, list[str]]:
+    return {a.worker_id: a.msg.partitions for a in actions if isinstance(a, core.SendAssign)}
+
+
+def fins(actions: list[core.Action]) -> list[wire.Fin]:
+    return [a.msg for a in actions if isinstance(a, core.PublishFin)]
+
+
+def ack_all(c: core.Conductor, cid: str, actions: list[core.Action]) -> None:
+    for a in actions:
+        if isinstance(a, core.SendAssign):
+            c.handle(core.AssignResult(cid, a.worker_id, tuple(a.msg.partitions), True))
+
+
+def test_places_each_partition_on_the_worker_with_most_free_slots() -> None:
+    c = conductor()
+    c.handle(hb("w1", PARTS, capacity=10, load=8))
+    c.handle(hb("w2", ["Encoder"], capacity=10, load=1))
+    c.handle(hb("w3", ["Talker"], capacity=4, load=0))
+    acts = c.handle(opened("a"))
+    assert assigns(acts) == {"w2": ["Encoder"], "w3": ["Talker"]}
+
+
+def test_live_call_at_the_cap_is_refused_at_once_and_one_shot_queues() -> None:
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    for cid in ("a", "b"):
+        ack_all(c, cid, c.handle(opened(cid)))
+    refused = fins(c.handle(opened("c", live=True)))
+    assert refused and refused[0].status == 503 and "max_concurrent_requests" in (refused[0].error or "")
+    queued = c.handle(opened("d", live=False))
+    assert not fins(queued) and not assigns(queued) and list(c.queue) == ["d"]
+    over = fins(c.handle(opened("e", live=False)))
+    assert over[0].status == 503 and "max_queued_requests" in (over[0].error or "")
+    # a slot frees: the queued one-shot is placed
+    acts = c.handle(core.AbortRequested("a", "socket closed", 499))
+    assert fins(acts)[0].status == 499
+    assert assigns(acts) == {"w1": PARTS} and not c.queue
+
+
+def test_finish_when_every_partition_is_done() -> None:
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    ack_all(c, "a", c.handle(opened("a")))
+    c.handle(core.InputEnded("a", "audio_in", 5))
+    assert c.calls["a"].state is core.CallState.INPUT_ENDED
+    first = c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0, usage={})))
+    assert not fins(first)
+    again = c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0, usage={})))
+    assert again == []  # a redelivered done changes nothing
+    last = c.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=5, usage={"frames": 5})))
+    f = fins(last)[0]
+    assert (f.status, f.reason, f.usage, f.outputs) == (200, "completed", {"frames": 5}, {"Encoder": 0, "Talker": 5})
+    assert any(isinstance(a, core.DeleteRecord) for a in last) and "a" not in c.calls
+
+
+def test_no_free_worker_is_503_but_no_worker_at_all_waits_then_503() -> None:
+    c = conductor(placement_timeout_s=5)
+    c.handle(hb("w1", PARTS, capacity=1, load=1))
+    assert fins(c.handle(opened("full")))[0].status == 503
+    c2 = conductor(placement_timeout_s=5)
+    acts = c2.handle(opened("early", now=100.0))
+    assert not fins(acts) and c2.calls["early"].state is core.CallState.WAITING
+    placed = c2.handle(hb("w1", PARTS))  # a worker appears: the waiting call is placed
+    assert assigns(placed) == {"w1": PARTS}
+    c3 = conductor(placement_timeout_s=5)
+    c3.handle(opened("never", now=100.0))
+    assert not fins(c3.handle(core.Tick(104.0)))
+    assert fins(c3.handle(core.Tick(106.0)))[0].status == 503
+
+
+def test_a_lost_worker_gets_no_new_calls_and_its_partitions_are_replaced() -> None:
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    c.handle(hb("w2", PARTS, load=5))
+    ack_all(c, "a", c.handle(opened("a")))
+    assert set(c.calls["a"].placement.values()) == {"w1"}
+    acts = c.handle(core.WorkerLost("w1"))
+    assert assigns(acts) == {"w2": PARTS}  # re-placed: the new worker replays the input from the stream
+    assert "w1" not in c.workers
+    assert assigns(c.handle(opened("b"))) == {"w2": PARTS}
+
+
+def test_frontend_lost_aborts_its_calls() -> None:
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    ack_all(c, "a", c.handle(opened("a")))
+    acts = c.handle(core.FrontendLost("fe1"))
+    assert any(isinstance(a, core.PublishAbort) for a in acts)
+    assert fins(acts)[0].status == 499 and not c.calls
+
+
+def test_max_call_duration() -> None:
+    c = conductor(max_call_duration_s=10)
+    c.handle(hb("w1", PARTS))
+    ack_all(c, "a", c.handle(opened("a", now=1000.0)))
+    assert not fins(c.handle(core.Tick(1009.0)))
+    f = fins(c.handle(core.Tick(1011.0)))[0]
+    assert f.status == 408 and "max_call_duration_s" in (f.error or "")
+
+
+def test_refused_assignment_fails_the_call() -> None:
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    c.handle(opened("a"))
+    acts = c.handle(core.AssignResult("a", "w1", tuple(PARTS), False, "full"))
+    assert fins(acts)[0].status == 503
+
+
+def test_restore_from_records_carries_on() -> None:
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    acts = c.handle(opened("a"))
+    ack_all(c, "a", acts)
+    record = c.calls["a"].record()
+    c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0)))
+    record = c.calls["a"].record()
+    fresh = conductor()
+    fresh.restore([record])
+    assert fresh.calls["a"].done == {"Encoder": 0}
+    f = fins(fresh.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=3))))
+    assert f[0].status == 200 and f[0].outputs == {"Encoder": 0, "Talker": 3}
+
+
+def test_transitions_are_guarded() -> None:
+    call = core.Call("x", "r", "echo", "fe", True, 0.0, {}, PARTS, set())
+    call.move(core.CallState.FINISHED)
+    try:
+        call.move(core.CallState.RUNNING)
+    except RuntimeError as e:
+        assert "finished -> running" in str(e)
+    else:
+        raise AssertionError("a finished call moved on")
