@@ -15,12 +15,27 @@ def conductor(**cfg: object) -> core.Conductor:
 
 def hb(worker: str, parts: list[str], capacity: int = 10, load: int = 0) -> core.WorkerSeen:
     return core.WorkerSeen(
-        wire.WorkerHeartbeat(worker_id=worker, model="echo", partitions=parts, model_partitions=PARTS, capacity=capacity, load=load, ts=0.0)
+        wire.WorkerHeartbeat(
+            worker_id=worker,
+            model="echo",
+            partitions=parts,
+            model_partitions=PARTS,
+            capacity=capacity,
+            load=load,
+            ts=0.0,
+        )
     )
 
 
 def opened(cid: str, live: bool = True, now: float = 0.0) -> core.Opened:
-    msg = wire.Open(cid=cid, request_id=f"r{cid}", model="echo", frontend_id="fe1", open_streams=["audio_in"] if live else [], live=live)
+    msg = wire.Open(
+        cid=cid,
+        request_id=f"r{cid}",
+        model="echo",
+        frontend_id="fe1",
+        open_streams=["audio_in"] if live else [],
+        live=live,
+    )
     return core.Opened(msg, now)
 
 
@@ -74,7 +89,9 @@ def test_finish_when_every_partition_is_done() -> None:
     assert not fins(first)
     again = c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0, usage={})))
     assert again == []  # a redelivered done changes nothing
-    last = c.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=5, usage={"frames": 5})))
+    last = c.handle(
+        core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=5, usage={"frames": 5}))
+    )
     f = fins(last)[0]
     assert (f.status, f.reason, f.usage, f.outputs) == (200, "completed", {"frames": 5}, {"Encoder": 0, "Talker": 5})
     assert any(isinstance(a, core.DeleteRecord) for a in last) and "a" not in c.calls
