@@ -21,7 +21,7 @@ import numpy as np
 import websockets
 import yaml
 
-from duplexbus.shared import subjects
+from duplexbus.shared import subjects, wire
 from duplexbus.shared.embedded import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,6 +150,26 @@ class Stack:
         finally:
             await nc.close()
 
+    async def workers_of_live_calls(self) -> dict[str, str]:
+        """partition -> the test's process name of the worker running it, from the conductor's call records."""
+        nc = await nats.connect(self.nats_url)
+        try:
+            js = nc.jetstream()
+            calls = await js.key_value(subjects.KV_CALLS)
+            workers = await js.key_value(subjects.KV_WORKERS)
+            pid_of = {}
+            for key in await workers.keys():
+                pid_of[key] = int(key.split("-")[1])  # worker ids are worker-{pid}-{random}
+            name_of = {p.p.pid: name for name, p in self.procs.items()}
+            out: dict[str, str] = {}
+            for key in await calls.keys():
+                rec = wire.decode_as((await calls.get(key)).value or b"", wire.CallRecord)
+                for part, wid in rec.placement.items():
+                    out[part] = name_of[pid_of[wid]]
+            return out
+        finally:
+            await nc.close()
+
     def ws_url(self, i: int = 0) -> str:
         return f"ws://127.0.0.1:{self.ports[i]}/generate/ws"
 
@@ -200,11 +220,11 @@ class WS:
     async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
         return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
 
-    async def until(self, pred: Any, timeout: float = 20.0) -> dict[str, Any]:
-        """The first message (kept or new) matching pred; others stay in the inbox."""
+    async def until(self, pred: Any, timeout: float = 20.0, keep: bool = False) -> dict[str, Any]:
+        """The first message (kept or new) matching pred; others stay in the inbox (it too, with keep)."""
         for i, m in enumerate(self.inbox):
             if pred(m):
-                return self.inbox.pop(i)
+                return m if keep else self.inbox.pop(i)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -212,6 +232,8 @@ class WS:
                 raise TimeoutError(f"no matching message; inbox: {[_short(m) for m in self.inbox[-5:]]}")
             m = await self.recv(left)
             if pred(m):
+                if keep:
+                    self.inbox.append(m)
                 return m
             self.inbox.append(m)
 
