@@ -48,8 +48,8 @@ WER_SENTENCES = [
     "send a message to my brother",
     "play some music in the living room",
 ]
-# Measured on this machine: WER 0.122 (6 errors / 49 words) with CLIP_SEED below; the
-# bound leaves room for another onnxruntime / pocketsphinx build.
+# Measured on this machine: WER 0.163 (8 errors / 49 words) with CLIP_SEED below, the
+# same on every run; the bound leaves room for another onnxruntime / pocketsphinx build.
 WER_BOUND = 0.30
 CLIP_SEED = 20_240_601
 TICK = 0.02
@@ -197,9 +197,7 @@ def call_audio(*parts: np.ndarray | float) -> np.ndarray:
 
 def reply_audio(sim: Sim, cid: str, turn: int) -> list[tuple[float, int, dict[str, Any]]]:
     """(time, index in outputs, event) of the audio chunks of one reply."""
-    return [
-        (t, i, d) for i, (t, _, d) in enumerate(sim.outputs[cid]) if d.get("type") == "audio" and d["turn"] == turn
-    ]
+    return [(t, i, d) for i, (t, _, d) in enumerate(sim.outputs[cid]) if d.get("type") == "audio" and d["turn"] == turn]
 
 
 def check_pacing(sim: Sim, cid: str, turn: int) -> None:
@@ -236,7 +234,7 @@ def test_declaration_and_lazy_imports() -> None:
     assert m.default_stream() == "audio_in"
     pcm = (np.arange(4000) % 200 - 100).astype(np.int16)
     got = m.process_stream_chunk(ClientInput(files=[ClientFile("a.wav", encode_wav(pcm, SAMPLE_RATE))]))
-    assert np.array_equal(got["audio_in"], pcm)
+    assert isinstance(got["audio_in"], np.ndarray) and np.array_equal(got["audio_in"], pcm)
     # The frontend resolves this model without paying for torch, pocketsphinx or piper.
     code = (
         "import sys; from duplexbus.models.registry import get_model; m = get_model('voice_assistant'); "
@@ -416,6 +414,7 @@ def test_talker_real_time_with_background_synthesis() -> None:
         assert sent / sr <= (t - t0) + LEAD_S + 0.05
     # The reply text spans two pieces; synthesis stayed off the step.
     assert len({d["text"] for _, d in audio_ev}) == 2
+    print(f"talker steps with background synthesis: max {max(step_s) * 1000:.1f} ms over {len(step_s)}")
     assert max(step_s) < 0.1, max(step_s)
     usage = talker.close_call("rt")
     assert usage["replies"] == 1 and usage["barge_ins"] == 1

@@ -35,23 +35,23 @@ CONTEXT = 64  # samples of the previous window the network sees
 STATE_SHAPE = (2, 128)  # per call: (2, B, 128) batched
 
 
-def load_vad_network() -> Any:
+def load_vad_network(torch_threads: int | None = 1) -> Any:
     """The silero-vad 16 kHz network (torch JIT) from the `silero-vad` package, in eval mode.
 
-    Importing `silero_vad` calls `torch.set_num_threads(1)`; the previous setting is
-    restored so that loading this model has no process-wide side effect.
+    Importing `silero_vad` calls `torch.set_num_threads(1)` (process-wide). The network
+    is tiny: a second intra-op thread makes it no faster and, on a busy 2-core machine,
+    many times slower, so the Listener keeps torch at `torch_threads` (1) threads; None
+    restores whatever the process had before the import.
     """
     import torch
 
     threads = torch.get_num_threads()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # importlib.resources.path, torch.jit.load
-            from silero_vad import load_silero_vad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # importlib.resources.path, torch.jit.load
+        from silero_vad import load_silero_vad
 
-            model = load_silero_vad(onnx=False)
-    finally:
-        torch.set_num_threads(threads)
+        model = load_silero_vad(onnx=False)
+    torch.set_num_threads(threads if torch_threads is None else torch_threads)
     model.eval()
     return model._model
 
@@ -97,11 +97,12 @@ class Listener(Partition):
         preroll_s: float = 0.3,
         max_turn_s: float = 30.0,
         min_turn_s: float = 0.25,
+        torch_threads: int | None = 1,
     ) -> None:
         import torch
 
         self._torch = torch
-        self.net = load_vad_network()
+        self.net = load_vad_network(torch_threads)
         self.threshold = threshold
         self.neg_threshold = max(threshold - 0.15, 0.01)
         self.min_silence = int(min_silence_s * SAMPLE_RATE)
@@ -239,7 +240,13 @@ class Listener(Partition):
         out.append(
             Output(
                 cid,
-                {"type": "speak", "turn": st.turn, "at": at, "speech_s": round(speech / SAMPLE_RATE, 3), "reason": reason},
+                {
+                    "type": "speak",
+                    "turn": st.turn,
+                    "at": at,
+                    "speech_s": round(speech / SAMPLE_RATE, 3),
+                    "reason": reason,
+                },
             )
         )
         st.triggered = False

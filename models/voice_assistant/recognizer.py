@@ -8,14 +8,15 @@ logging off. Options for `Decoder(...)` may be passed as `decoder_options`.
 
 One decoder per call: a turn is one utterance (`start_utt`, `process_raw` of each
 audio item as it arrives, `end_utt`), so concurrent calls' turns interleave freely.
-Decoders are costly to build (~0.5 s, ~90 MB each), so they come from a pool: one
-is built when the partition starts, a closed call's decoder goes back to the pool
-(up to `pool_size` kept) and its cepstral mean is reset to the initial one, so a
-call's result does not depend on which calls used the decoder before. Live CMN
-adapts across the turns of one call.
+Decoders are costly to build (~0.5 s, ~90 MB each), so they come from a pool:
+`warm_decoders` (1) are built when the partition starts, a call takes one when its
+first turn begins (building one, inside that step, when the pool is empty), and a
+closed call's decoder goes back to the pool (up to `pool_size` kept) with its
+cepstral mean reset to the initial one, so a call's result does not depend on which
+calls used the decoder before. Live CMN adapts across the turns of one call.
 
 Outputs to the client: `{"type": "transcript", "turn": k, "text": str, "final": bool}`:
-partial hypotheses (`final: false`) after an item when the hypothesis changed and is
+partial hypotheses (`final: false`) after each step that fed a turn audio, when the hypothesis changed and is
 not empty, and one final one per turn (`final: true`, possibly empty text). The
 final transcript goes on edge `transcript` as meta `{"turn": k, "text": str,
 "short": bool}`.
@@ -25,6 +26,7 @@ pocketsphinx has no batched API: a step loops over the calls in its batch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,7 @@ from duplexbus.shared.chunking import Item
 from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
 
 SAMPLE_RATE = 16_000
+log = logging.getLogger(__name__)
 
 
 def new_decoder(**options: Any) -> Any:
@@ -56,12 +59,15 @@ class _CallState:
 
 
 class Recognizer(Partition):
-    def __init__(self, pool_size: int = 8, decoder_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, pool_size: int = 8, warm_decoders: int = 1, decoder_options: dict[str, Any] | None = None
+    ) -> None:
         self.decoder_options = dict(decoder_options or {})
-        self.pool_size = pool_size
+        self.pool_size = max(pool_size, warm_decoders, 1)
         first = new_decoder(**self.decoder_options)
         self.initial_cmn = first.get_cmn(False)
         self._pool: list[Any] = [first]
+        self._pool += [new_decoder(**self.decoder_options) for _ in range(warm_decoders - 1)]
         self._calls: dict[str, _CallState] = {}
 
     # -- decoders ------------------------------------------------------------
@@ -105,15 +111,30 @@ class Recognizer(Partition):
                 continue
             chunk = s.chunks.get("speech")
             items = chunk.items if chunk is not None else []
-            for item in items:
-                self._item(s.cid, st, item, out)
-            if st.in_utt:
-                if s.inputs_ended:
-                    # The Listener always closes a turn; this is a safety net.
-                    self._finish(s.cid, st, short=False, out=out)
-                else:
-                    self._partial(s.cid, st, out)
+            mine: list[Emission] = []
+            try:
+                for item in items:
+                    self._item(s.cid, st, item, mine)
+                if st.in_utt:
+                    if s.inputs_ended:
+                        # The Listener always closes a turn; this is a safety net.
+                        self._finish(s.cid, st, short=False, out=mine)
+                    else:
+                        self._partial(s.cid, st, mine)
+            except Exception:  # one call's bad input or decoder fault stays with that call (I-4)
+                log.exception("recognizer: call %s: decoding failed; its turn ends empty", s.cid)
+                self._reset(s.cid, st, mine)
+            out.extend(mine)
         return out
+
+    def _reset(self, cid: str, st: _CallState, out: list[Emission]) -> None:
+        """Throw the call's decoder away (not back to the pool) and end its open turn empty."""
+        st.decoder = None
+        if st.in_utt:
+            st.in_utt = False
+            st.turns = max(st.turns, st.turn)
+            out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": "", "final": True}))
+            out.append(EdgeItem(cid, "transcript", Item(None, {"turn": st.turn, "text": "", "short": False})))
 
     def _item(self, cid: str, st: _CallState, item: Item, out: list[Emission]) -> None:
         meta = item.meta

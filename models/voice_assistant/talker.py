@@ -37,6 +37,7 @@ Outputs to the client:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +50,8 @@ import numpy as np
 from duplexbus.models.voice_assistant.audio import b64_pcm16
 from duplexbus.models.voice_assistant.text import reply_text, split_pieces
 from duplexbus.shared.model import CallInfo, Emission, Output, Partition, StepInput
+
+log = logging.getLogger(__name__)
 
 
 def load_voice() -> Any:
@@ -120,8 +123,12 @@ class Talker(Partition):
         self._calls: dict[str, _CallState] = {}
 
     def synthesize(self, text: str) -> np.ndarray:
-        """PCM16 audio of `text` at the voice's rate."""
-        parts = [c.audio_int16_array for c in self.voice.synthesize(text, self.syn_config)]
+        """PCM16 audio of `text` at the voice's rate (none if synthesis fails: the piece is skipped)."""
+        try:
+            parts = [c.audio_int16_array for c in self.voice.synthesize(text, self.syn_config)]
+        except Exception:
+            log.exception("talker: synthesis of %r failed; skipping it", text)
+            return np.zeros(0, dtype=np.int16)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
 
     # -- calls ---------------------------------------------------------------
@@ -192,7 +199,13 @@ class Talker(Partition):
         out.append(
             Output(
                 cid,
-                {"type": "barge_in", "turn": r.turn, "by_turn": turn, "sent_s": round(sent_s, 3), "played_s": round(played_s, 3)},
+                {
+                    "type": "barge_in",
+                    "turn": r.turn,
+                    "by_turn": turn,
+                    "sent_s": round(sent_s, 3),
+                    "played_s": round(played_s, 3),
+                },
             )
         )
 
