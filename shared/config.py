@@ -61,6 +61,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "max_batch": self.max_batch,
             "heartbeat_s": self.heartbeat_s,
             "liveness_s": self.liveness_s,
+            "placement_timeout_s": self.placement_timeout_s,
             "retention.max_age_s": self.retention.max_age_s,
             "retention.max_bytes": self.retention.max_bytes,
             "retention.replicas": self.retention.replicas,
@@ -100,22 +101,38 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return int(self.max_call_input_mb * 1024 * 1024)
 
 
-def _key_of(err: msgspec.ValidationError) -> str:
+def _key_of(err: msgspec.ValidationError, prefix: str = "") -> str:
+    """The dotted config key a msgspec error is about (`retention.max_age_s`)."""
     text = str(err)
-    if "`$." in text:
-        return text.split("`$.", 1)[1].split("`", 1)[0]
+    path = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else ""
     if "unknown field `" in text:
-        return text.split("unknown field `", 1)[1].split("`", 1)[0]
-    return "config"
+        field = text.split("unknown field `", 1)[1].split("`", 1)[0]
+        path = f"{path}.{field}" if path else field
+    key = ".".join(p for p in (prefix, path) if p)
+    return key or "config"
+
+
+def _reason(err: msgspec.ValidationError) -> str:
+    """msgspec's message without its `- at $.path` (the ConfigError names the key)."""
+    return str(err).split(" - at `$", 1)[0]
 
 
 def parse_config(data: dict[str, Any] | None) -> ServingConfig:
+    data = data or {}
+    streams = data.get("client_streams") if isinstance(data, dict) else None
+    if isinstance(streams, dict):
+        # Converted one by one, so an error names the stream (msgspec would say `[...]`).
+        for edge, body in streams.items():
+            try:
+                msgspec.convert(body, StreamConfig, strict=False)
+            except msgspec.ValidationError as e:
+                raise ConfigError(_key_of(e, f"client_streams.{edge}"), _reason(e)) from None
     try:
-        return msgspec.convert(data or {}, ServingConfig, strict=False)
+        return msgspec.convert(data, ServingConfig, strict=False)
     except ConfigError:
         raise
     except msgspec.ValidationError as e:
-        raise ConfigError(_key_of(e), str(e)) from None
+        raise ConfigError(_key_of(e), _reason(e)) from None
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,15 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from duplexbus.services.frontend.calls import InputState
-from duplexbus.services.frontend.protocol import AbortCall, Append, EndInput, Opening, ParseError, parse_message
+from duplexbus.services.frontend.protocol import (
+    AbortCall,
+    Append,
+    EndInput,
+    Opening,
+    ParseError,
+    parse_message,
+    valid_request_id,
+)
 from duplexbus.services.frontend.service import Call, FrontendService
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import Conflict, DuplexError, LimitExceeded, ProtocolError
@@ -26,6 +35,7 @@ log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 SEND_QUEUE = 8192  # server -> client messages waiting for a slow socket; past it the socket is closed
+NO_CALL = "no live call with this request_id on this socket (never opened here, or ended)"
 
 
 class SocketSession:
@@ -52,20 +62,20 @@ class SocketSession:
                 return
             await self.ws.send_text(json.dumps(msg, separators=(",", ":")))
 
-    def live(self, rid: str) -> Call | None:
-        call = self.calls.get(rid)
+    def live(self, rid: str | None) -> Call | None:
+        call = self.calls.get(rid) if rid is not None else None
         if call is not None and call.ended.is_set():
-            del self.calls[rid]
+            del self.calls[rid]  # type: ignore[arg-type]
             return None
         return call
 
-    async def handle(self, text: str) -> None:
-        limit = self.service.config.max_message_mb * 1024 * 1024
-        if len(text) > limit:
-            err = LimitExceeded("max_message_mb", f"message of {len(text)} bytes is over {limit:.0f}")
-            self.send({"request_id": None, "error": err.message, "status": err.status})
-            return
-        msg = parse_message(text)
+    def append_error(self, rid: str | None, status: int, error: str) -> None:
+        """The reply to an append, end_input or abort that was refused; no call ends by it."""
+        self.send({"request_id": rid, "append": True, "error": error, "status": status})
+
+    async def handle(self, data: str | bytes) -> None:
+        limit = int(self.service.config.max_message_mb * 1024 * 1024)
+        msg = parse_message(data, max_bytes=limit)
         if isinstance(msg, ParseError):
             await self._refused(msg)
             return
@@ -74,33 +84,36 @@ class SocketSession:
                 await self._open(msg)
             elif isinstance(msg, Append | EndInput):
                 await self._append(msg)
-            elif isinstance(msg, AbortCall):
-                call = self.live(msg.request_id)
-                if call is None:
-                    self.send(
-                        {
-                            "request_id": msg.request_id,
-                            "error": "no live call with this request_id on this socket",
-                            "status": 404,
-                        }
-                    )
-                else:
-                    await self.service.abort(call, "aborted by the client", 499, tell_client=True)
+            else:
+                await self._abort(msg)
         except DuplexError as e:
-            self.send({"request_id": getattr(msg, "request_id", None), "error": e.message, "status": e.status})
+            self.send({"request_id": msg.request_id, "error": e.message, "status": e.status})
+        except Exception:  # I-4: a bug here ends at most the call it concerns, never the socket
+            log.exception("handling a %s failed", type(msg).__name__)
+            call = None if isinstance(msg, Opening) else self.live(msg.request_id)
+            if call is not None:
+                await self.service.abort(call, "internal error", 500, tell_client=True)
+            else:
+                self.send({"request_id": msg.request_id, "error": "internal error", "status": 500})
 
     async def _refused(self, p: ParseError) -> None:
-        call = self.live(p.request_id) if p.request_id else None
-        if p.append and call is not None:
-            await self._reject_append(call, p.error)
-            return
-        body: dict[str, Any] = {"request_id": p.request_id, "error": p.error.message, "status": p.error.status}
+        call = self.live(p.request_id) if valid_request_id(p.request_id) else None
         if p.append:
-            body["append"] = True
-        self.send(body)
+            if call is not None:  # a malformed append is a rejected append: it ends the call
+                await self._reject_append(call, p.error)
+            else:
+                self.append_error(p.request_id, p.error.status, p.error.message)
+            return
+        if p.kind == "opening" and call is not None:
+            # An opening under a live request_id is a 409 whatever else is wrong with it: an
+            # error reply of any other status under a live request_id means that call ended.
+            err = Conflict(f"request_id {p.request_id!r} is already in use by a live call ({p.error.message})")
+            self.send({"request_id": p.request_id, "error": err.message, "status": err.status})
+            return
+        self.send({"request_id": p.request_id, "error": p.error.message, "status": p.error.status})
 
     async def _open(self, o: Opening) -> None:
-        if o.request_id is not None and self.live(o.request_id) is not None:
+        if self.live(o.request_id) is not None:
             raise Conflict(f"request_id {o.request_id!r} is already in use by a live call")
         call = await self.service.open_call(o, self.send, self)
         if o.request_id is not None:
@@ -109,13 +122,10 @@ class SocketSession:
     async def _append(self, a: Append | EndInput) -> None:
         call = self.live(a.request_id)
         if call is None:
-            err = "no live call with this request_id on this socket (ended, or opened elsewhere)"
-            self.send({"request_id": a.request_id, "append": True, "status": 404, "error": err})
+            self.append_error(a.request_id, 404, NO_CALL)
             return
         if call.input.state is not InputState.OPEN:
-            self.send(
-                {"request_id": a.request_id, "append": True, "status": 409, "error": "the call's input has ended"}
-            )
+            self.append_error(a.request_id, 409, "the call's input has ended (end_input); the call goes on")
             return
         try:
             if isinstance(a, Append):
@@ -125,11 +135,19 @@ class SocketSession:
         except DuplexError as e:
             await self._reject_append(call, e)
 
+    async def _abort(self, a: AbortCall) -> None:
+        call = self.live(a.request_id)
+        if call is None:
+            self.append_error(a.request_id, 404, NO_CALL)
+        else:
+            await self.service.abort(call, "aborted by the client", 499, tell_client=True)
+
     async def _reject_append(self, call: Call, e: DuplexError) -> None:
         """A rejected append ends the call with its error and no finish."""
         await self.service.abort(call, e.message, e.status, tell_client=True)
 
     async def close(self) -> None:
+        """The socket closed: abort its calls, which frees their admission slots."""
         for call in list(self.calls.values()):
             await self.service.abort(call, "socket closed", 499)
         # one-shots without a request_id are not in self.calls
@@ -146,8 +164,13 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         writer = asyncio.get_running_loop().create_task(session.writer())
         try:
             while not session.overflowed:
-                text = await ws.receive_text()
-                await session.handle(text)
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                data = message.get("text")
+                if data is None:
+                    data = message.get("bytes") or b""  # a binary frame: parsed as UTF-8 JSON all the same
+                await session.handle(data)
         except (WebSocketDisconnect, RuntimeError):
             pass
         finally:
@@ -161,19 +184,43 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
                     await ws.close(1008, "client not reading")
 
     async def generate(request: Request) -> Response:
-        body = await request.body()
-        msg = parse_message(body)
+        """`POST /generate`: one opening as JSON, run as a one-shot, results as NDJSON lines."""
+        limit = int(config.max_message_mb * 1024 * 1024)
+        chunks: list[bytes] = []
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                big = LimitExceeded("max_message_mb", f"a request body over the limit of {limit} bytes")
+                return JSONResponse({"request_id": None, "error": big.message, "status": 400}, status_code=400)
+            chunks.append(part)
+        msg = parse_message(b"".join(chunks))
         if isinstance(msg, ParseError):
-            return JSONResponse({"error": msg.error.message, "status": 400}, status_code=400)
+            body = {"request_id": msg.request_id, "error": msg.error.message, "status": msg.error.status}
+            return JSONResponse(body, status_code=msg.error.status)
         if not isinstance(msg, Opening):
-            err = ProtocolError("POST /generate takes an opening")
-            return JSONResponse({"error": err.message, "status": 400}, status_code=400)
-        msg.end_input = True  # one-shot
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(SEND_QUEUE)
+            err = ProtocolError("POST /generate takes an opening (no append, end_input alone or abort)")
+            return JSONResponse({"request_id": msg.request_id, "error": err.message, "status": 400}, status_code=400)
+        msg.end_input = True  # one-shot: every client stream ends with the opening
+        buf: deque[dict[str, Any]] = deque()
+        more = asyncio.Event()
+        opened: list[Call] = []
+        overflowed = False
 
         def sink(m: dict[str, Any]) -> None:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(m)
+            nonlocal overflowed
+            if overflowed:
+                return
+            if len(buf) >= SEND_QUEUE:
+                # The client is not reading: end the call rather than buffer without bound.
+                overflowed = True
+                error = f"the client was not reading its results ({SEND_QUEUE} messages waiting)"
+                buf.append({"request_id": msg.request_id, "error": error, "status": 503})
+                if opened:
+                    asyncio.get_running_loop().create_task(svc.abort(opened[0], error, 503))
+            else:
+                buf.append(m)
+            more.set()
 
         try:
             call = await svc.open_call(msg, sink, request)
@@ -181,11 +228,15 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             return JSONResponse(
                 {"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status
             )
+        opened.append(call)
 
         async def lines() -> AsyncIterator[bytes]:
             try:
                 while True:
-                    m = await queue.get()
+                    while not buf:
+                        more.clear()
+                        await more.wait()
+                    m = buf.popleft()
                     yield (json.dumps(m, separators=(",", ":")) + "\n").encode()
                     if "finish" in m or ("error" in m and "append" not in m):
                         return

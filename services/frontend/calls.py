@@ -9,7 +9,7 @@ import numpy as np
 
 from duplexbus.shared.audio import Framer
 from duplexbus.shared.chunking import Item
-from duplexbus.shared.errors import BadRequest, LimitExceeded
+from duplexbus.shared.errors import BadRequest, DuplexError, LimitExceeded
 from duplexbus.shared.model import ClientInput, Model, StreamInput
 
 
@@ -21,15 +21,22 @@ class InputState(enum.Enum):
 
 @dataclass
 class Prepared:
-    """What one opening or append turned into."""
+    """What one opening, append or end_input turned into."""
 
     items: list[tuple[str, int, Item]] = field(default_factory=list)  # (edge, seq, item) to publish
-    late: list[str] = field(default_factory=list)  # streams the client had already ended
+    late: list[str] = field(default_factory=list)  # streams the client had already ended: input not sent
+    already_ended: list[str] = field(default_factory=list)  # named in end_input, but had already ended
     ended: dict[str, int] = field(default_factory=dict)  # edge -> total items, streams ended now
 
 
 class CallInput:
-    """One call's input as the frontend sees it. No I/O."""
+    """One call's input as the frontend sees it. No I/O.
+
+    Client audio is cut into the model's own items as it arrives; the remainder is
+    carried to the next append and padded with zeros to one last item when its
+    stream ends. Every bound is checked before anything is committed, so a refused
+    input leaves the counts as they were.
+    """
 
     def __init__(
         self,
@@ -57,40 +64,47 @@ class CallInput:
     def accept(self, inp: ClientInput, opening: bool, end: bool | list[str] | None, now: float) -> Prepared:
         """Decode, frame and bound one opening or append, then end the streams `end` names.
 
-        Raises (BadRequest, LimitExceeded) before anything is committed, so a refused
-        append leaves the counts as they were.
+        Raises BadRequest (LimitExceeded for a bound) before anything is committed.
+        Input the model routes to a stream the client already ended is reported in
+        `late` and neither charged nor sent.
         """
         if self.state is not InputState.OPEN:
             raise BadRequest("the call's input has ended")
-        ending = self._streams_to_end(end)
-        data = self.model.process_prompt(inp) if opening else self.model.process_stream_chunk(inp)
-        file_bytes = sum(len(f.data) for f in inp.files)
-        out = Prepared()
+        ending, already = self._streams_to_end(end)
+        data = self._process(inp, opening)
+        unknown = sorted(set(data) - set(self.edges))
+        if unknown:
+            raise BadRequest(f"the model routed input to unknown stream(s) {unknown}")
+        out = Prepared(already_ended=already)
         live = {e: d for e, d in data.items() if e in self.open_streams}
         out.late = sorted(e for e in data if e not in self.open_streams)
-        if not opening and not live and not ending and not out.late:
-            raise BadRequest(
-                "the input produced no stream item"
-                + (" (text-only, and the model has no text stream)" if inp.text and not inp.files else "")
-            )
-        if self.input_bytes + file_bytes > self.max_input_bytes and live:
-            mb = self.max_input_bytes / (1024 * 1024)
-            raise LimitExceeded("max_call_input_mb", f"the call's files exceed {mb:g} MiB")
+        has_content = bool(inp.text) or bool(inp.files)
+        if not data and (has_content or (not opening and not ending and not already)):
+            raise BadRequest(self._nothing_produced(inp))
         for edge, d in live.items():
-            new = self._count(edge, d, flush=edge in ending)
+            framed = edge in self.framers
+            if framed and isinstance(d, list):
+                raise BadRequest(f"stream {edge!r} takes raw samples, the model gave items")
+            if not framed and not isinstance(d, list):
+                raise BadRequest(f"stream {edge!r} takes items, not raw samples")
+        charged = self._charged_bytes(inp, set(out.late))
+        if charged and self.input_bytes + charged > self.max_input_bytes:
+            mb = self.max_input_bytes / (1024 * 1024)
+            raise LimitExceeded(
+                "max_call_input_mb",
+                f"the call's files would total {self.input_bytes + charged} bytes, over {mb:g} MiB",
+            )
+        for edge in sorted(set(live) | set(ending)):
+            new = self._count(edge, live.get(edge), flush=edge in ending)
             limit = self.max_items.get(edge)
             if limit is not None and self.published[edge] + new > limit:
-                raise LimitExceeded(f"client_streams.{edge}.max_items", f"more than {limit} items on stream {edge!r}")
-        for edge in ending:
-            if edge not in live and self._count(edge, None, flush=True):
-                limit = self.max_items.get(edge)
-                if limit is not None and self.published[edge] + 1 > limit:
-                    raise LimitExceeded(
-                        f"client_streams.{edge}.max_items", f"more than {limit} items on stream {edge!r}"
-                    )
+                raise LimitExceeded(
+                    f"client_streams.{edge}.max_items",
+                    f"stream {edge!r} would have {self.published[edge] + new} items, over its bound of {limit}"
+                    f" ({self._unit(edge)})",
+                )
         # Committed from here on.
-        if live:
-            self.input_bytes += file_bytes
+        self.input_bytes += charged
         for edge, d in live.items():
             self._emit(out, edge, self._frame(edge, d))
         for edge in ending:
@@ -101,28 +115,47 @@ class CallInput:
         return out
 
     def end_input(self, end: bool | list[str], now: float) -> Prepared:
-        if self.state is not InputState.OPEN:
-            raise BadRequest("the call's input has already ended")
-        ending = self._streams_to_end(end)
-        if not ending:
-            raise BadRequest("every named stream had already ended")
-        out = Prepared()
-        for edge in ending:
-            out.ended[edge] = self._end(out, edge)
-        self.last_input = now
-        if not self.open_streams:
-            self.state = InputState.INPUT_ENDED
-        return out
+        """End the named streams (True: all). Flushing a remainder is bounded like any input."""
+        return self.accept(ClientInput(), opening=False, end=end, now=now)
 
-    def _streams_to_end(self, end: bool | list[str] | None) -> list[str]:
+    def _process(self, inp: ClientInput, opening: bool) -> dict[str, StreamInput]:
+        try:
+            return self.model.process_prompt(inp) if opening else self.model.process_stream_chunk(inp)
+        except DuplexError:
+            raise
+        except Exception as e:  # I-4: whatever the model's decoding makes of bad input, it is a 400
+            raise BadRequest(f"the input could not be decoded: {type(e).__name__}: {e}") from None
+
+    def _nothing_produced(self, inp: ClientInput) -> str:
+        if inp.text and not inp.files and self.model.text_stream() is None:
+            return f"text-only input produced no stream item: model {self.model.name!r} has no text stream"
+        if not inp.text and not inp.files:
+            return "an append needs text or files (or end_input)"
+        return "the input produced no stream item"
+
+    def _charged_bytes(self, inp: ClientInput, late: set[str]) -> int:
+        """File bytes charged to max_call_input_mb: every file but those routed to an ended stream."""
+        default = self.model.default_stream()
+        return sum(len(f.data) for f in inp.files if (f.stream or default) not in late)
+
+    def _unit(self, edge: str) -> str:
+        limits = self.edges[edge].limits
+        assert limits is not None
+        if limits.item_size:
+            return f"items of {limits.item_size} {limits.unit}"
+        return limits.unit
+
+    def _streams_to_end(self, end: bool | list[str] | None) -> tuple[list[str], list[str]]:
+        """(streams to end now, streams named that had already ended)."""
         if end is None or end is False:
-            return []
+            return [], []
         if end is True:
-            return sorted(self.open_streams)
+            return sorted(self.open_streams), []
         unknown = [e for e in end if e not in self.edges]
         if unknown:
             raise BadRequest(f"unknown stream(s) {unknown} in end_input; this model's streams: {sorted(self.edges)}")
-        return [e for e in end if e in self.open_streams]
+        names = list(dict.fromkeys(end))
+        return [e for e in names if e in self.open_streams], [e for e in names if e not in self.open_streams]
 
     def _count(self, edge: str, d: StreamInput | None, flush: bool) -> int:
         framer = self.framers.get(edge)
@@ -137,11 +170,9 @@ class CallInput:
     def _frame(self, edge: str, d: StreamInput) -> list[Item]:
         framer = self.framers.get(edge)
         if framer is None:
-            if not isinstance(d, list):
-                raise BadRequest(f"stream {edge!r} takes items, not raw samples")
+            assert isinstance(d, list)
             return d
-        if isinstance(d, list):
-            raise BadRequest(f"stream {edge!r} takes raw samples")
+        assert not isinstance(d, list)
         return [Item(f) for f in framer.push(np.asarray(d))]
 
     def _emit(self, out: Prepared, edge: str, items: list[Item]) -> None:

@@ -1,7 +1,9 @@
 """Client protocol parsing for `/generate/ws` and `POST /generate` (pure).
 
-A null field counts as absent. Every refusal is a ProtocolError (400) whose
-message says what was wrong.
+A null field counts as absent. Every refusal is a ParseError carrying a
+ProtocolError (400) whose message says what was wrong, the request_id if one
+could be read, and the kind of message it looked like, so the socket can answer
+in the right shape (see docs/clients.md).
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ import base64
 import binascii
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from duplexbus.shared.errors import ProtocolError
+from duplexbus.shared.errors import BadRequest, LimitExceeded, ProtocolError
 from duplexbus.shared.model import ClientFile, ClientInput
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+REQUEST_ID_RULE = "request_id must be 1-64 characters of [A-Za-z0-9_-]"
+
+Kind = Literal["opening", "append", "end", "abort"]
 
 
 @dataclass
@@ -50,12 +55,21 @@ ClientMessage = Opening | Append | EndInput | AbortCall
 
 @dataclass
 class ParseError:
-    """A message that could not be parsed; `request_id` if one could be read (for the reply)."""
+    """A message that was refused before it reached a call.
 
-    error: ProtocolError
+    `request_id` is the message's request_id when it is a string (valid or not:
+    the reply echoes it), `kind` what the message looked like (None: not even a
+    JSON object).
+    """
+
+    error: BadRequest
     request_id: str | None = None
-    append: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    kind: Kind | None = None
+
+    @property
+    def append(self) -> bool:
+        """An append, end_input or abort: a message about an existing call."""
+        return self.kind in ("append", "end", "abort")
 
 
 def valid_request_id(rid: object) -> bool:
@@ -66,58 +80,85 @@ def _strip_nulls(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def parse_message(text: str | bytes) -> ClientMessage | ParseError:
+def kind_of(msg: dict[str, Any]) -> Kind:
+    """What a (null-stripped) JSON object is, by its fields."""
+    if "abort" in msg:
+        return "abort"
+    if "append" in msg:
+        return "append"
+    if "end_input" in msg and set(msg) <= {"request_id", "end_input"}:
+        return "end"
+    return "opening"
+
+
+def parse_message(text: str | bytes, max_bytes: int | None = None) -> ClientMessage | ParseError:
+    """One client message. Over `max_bytes` it is refused (400 naming max_message_mb)
+    after reading only its request_id and kind, so the reply can name the call."""
+    size = len(text)
+    too_big = max_bytes is not None and (
+        size > max_bytes or (isinstance(text, str) and 4 * size > max_bytes and len(text.encode()) > max_bytes)
+    )
     try:
         raw = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        if too_big:
+            return ParseError(_too_big(text, max_bytes))
         return ParseError(ProtocolError(f"not JSON: {e}"))
     if not isinstance(raw, dict):
-        return ParseError(ProtocolError("a message must be a JSON object"))
+        if too_big:
+            return ParseError(_too_big(text, max_bytes))
+        return ParseError(ProtocolError(f"a message must be a JSON object, got {type(raw).__name__}"))
     msg = _strip_nulls(raw)
     rid = msg.get("request_id")
     rid_text = rid if isinstance(rid, str) else None
-    is_append = "append" in msg
+    kind = kind_of(msg)
+    if too_big:
+        return ParseError(_too_big(text, max_bytes), rid_text, kind)
     try:
-        return _parse(msg)
+        return _parse(msg, kind)
     except ProtocolError as e:
-        return ParseError(e, rid_text if valid_request_id(rid_text) else None, append=is_append)
+        return ParseError(e, rid_text, kind)
 
 
-def _parse(msg: dict[str, Any]) -> ClientMessage:
+def _too_big(text: str | bytes, max_bytes: int | None) -> LimitExceeded:
+    n = len(text.encode()) if isinstance(text, str) else len(text)
+    return LimitExceeded("max_message_mb", f"a message of {n} bytes is over the limit of {max_bytes} bytes")
+
+
+def _parse(msg: dict[str, Any], kind: Kind) -> ClientMessage:
     rid = msg.get("request_id")
     if rid is not None and not isinstance(rid, str):
-        raise ProtocolError("request_id must be a string")
-    end = _end_input(msg.get("end_input"))
-    if "abort" in msg:
+        raise ProtocolError(f"request_id must be a string, got {type(rid).__name__}")
+    if kind == "abort":
+        _only(msg, {"request_id", "abort"})
         if msg["abort"] is not True:
             raise ProtocolError("abort must be true")
         return AbortCall(_require_rid(rid))
-    if "append" in msg:
+    end = _end_input(msg.get("end_input"))
+    if kind == "append":
         _only(msg, {"request_id", "append", "end_input"})
         return Append(_require_rid(rid), _append_input(msg["append"]), end)
-    if set(msg) <= {"request_id", "end_input"} and "end_input" in msg:
-        if not end:
+    if kind == "end":
+        if end is None:
             raise ProtocolError("end_input alone must be true or a non-empty list of stream names")
         return EndInput(_require_rid(rid), end)
     _only(msg, {"request_id", "model", "text", "files", "model_kwargs", "end_input"})
     model = msg.get("model")
     if model is not None and not isinstance(model, str):
-        raise ProtocolError("model must be a string")
-    inp = _client_input(msg)
-    live = end is not True
-    if live and rid is None:
-        raise ProtocolError("a live call (one that leaves a client stream open) needs a request_id")
+        raise ProtocolError(f"model must be a string, got {type(model).__name__}")
     if rid is not None and not valid_request_id(rid):
-        raise ProtocolError("request_id must be 1-64 characters of [A-Za-z0-9_-]")
-    return Opening(rid, model, inp, end)
+        raise ProtocolError(REQUEST_ID_RULE)
+    if rid is None and end is None:
+        # With a list, whether streams stay open depends on the model: the service checks.
+        raise ProtocolError("a live call (one that leaves a client stream open) needs a request_id")
+    return Opening(rid, model, _client_input(msg), end)
 
 
-def _require_rid(rid: object) -> str:
+def _require_rid(rid: str | None) -> str:
     if rid is None:
         raise ProtocolError("request_id is required")
     if not valid_request_id(rid):
-        raise ProtocolError("request_id must be 1-64 characters of [A-Za-z0-9_-]")
-    assert isinstance(rid, str)
+        raise ProtocolError(REQUEST_ID_RULE)
     return rid
 
 
@@ -133,8 +174,8 @@ def _end_input(v: object) -> bool | list[str] | None:
     if v is True:
         return True
     if isinstance(v, list) and v and all(isinstance(e, str) for e in v):
-        return list(v)
-    raise ProtocolError("end_input must be true or a list of stream names")
+        return list(dict.fromkeys(v))
+    raise ProtocolError("end_input must be true or a non-empty list of stream names")
 
 
 def _append_input(v: object) -> ClientInput:
@@ -150,7 +191,7 @@ def _append_input(v: object) -> ClientInput:
 def _client_input(msg: dict[str, Any]) -> ClientInput:
     text = msg.get("text")
     if text is not None and not isinstance(text, str):
-        raise ProtocolError("text must be a string")
+        raise ProtocolError(f"text must be a string, got {type(text).__name__}")
     kwargs = msg.get("model_kwargs", {})
     if not isinstance(kwargs, dict):
         raise ProtocolError("model_kwargs must be an object")

@@ -26,7 +26,7 @@ from duplexbus.services.frontend.calls import CallInput, InputState, Prepared
 from duplexbus.services.frontend.protocol import Append, EndInput, Opening
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.errors import CallTimeout, Conflict, DuplexError, Overloaded
+from duplexbus.shared.errors import CallTimeout, Conflict, DuplexError, Overloaded, ProtocolError
 from duplexbus.shared.model import Model
 from duplexbus.shared.service import delete_quietly, every, heartbeat
 
@@ -69,6 +69,9 @@ class FrontendService:
         self._tasks: list[asyncio.Task[None]] = []
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
+        # Load the served model and check the config's client_streams against it now, so a
+        # bad bound stops the process at start-up with an error naming the key.
+        self.model(self.default_model)
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -78,7 +81,6 @@ class FrontendService:
         kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS])
         self.rids = kvs[subjects.KV_REQUEST_IDS]
         fe = kvs[subjects.KV_FRONTENDS]
-        self.model(self.default_model)  # load (and validate its config limits) before serving
         hb = wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0)
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -139,8 +141,11 @@ class FrontendService:
         model = self.model(model_name)
         now = time.monotonic()
         inp = CallInput(model, self._limits[model_name], self.config.max_call_input_bytes, now)
-        live = o.end_input is not True
         prepared = inp.accept(o.input, opening=True, end=o.end_input, now=now)
+        # A live call leaves a client stream open; one that ends them all is a one-shot (may queue).
+        live = inp.state is InputState.OPEN
+        if live and o.request_id is None:
+            raise ProtocolError("a live call (one that leaves a client stream open) needs a request_id")
         cid = subjects.new_cid()
         if o.request_id is not None:
             try:
@@ -179,17 +184,29 @@ class FrontendService:
         """An append; raises for a rejected append (the caller ends the call with its error)."""
         now = time.monotonic()
         prepared = call.input.accept(a.input, opening=False, end=a.end_input, now=now)
-        if prepared.late:
-            call.reply(
-                {"append": True, "error": f"stream(s) {prepared.late} already ended: items not sent", "status": 400}
-            )
         await self._publish_items(call.cid, prepared)
         await self._publish_ends(call.cid, prepared)
+        self._report_late(call, prepared)
 
     async def end_input(self, call: Call, e: EndInput) -> None:
         prepared = call.input.end_input(e.end_input, time.monotonic())
         await self._publish_items(call.cid, prepared)
         await self._publish_ends(call.cid, prepared)
+        self._report_late(call, prepared)
+
+    def _report_late(self, call: Call, p: Prepared) -> None:
+        """The late-append reply: input for (or an end of) streams the client had already ended.
+        Nothing of it was charged or sent; the call goes on."""
+        late = sorted(set(p.late) | set(p.already_ended))
+        if not late:
+            return
+        what = []
+        if p.late:
+            what.append(f"input routed to stream(s) {p.late} was neither charged nor sent")
+        if p.already_ended:
+            what.append(f"end_input named stream(s) {p.already_ended} again")
+        error = f"stream(s) {late} already ended: " + "; ".join(what)
+        call.reply({"append": True, "error": error, "status": 409, "late": late})
 
     async def _publish_items(self, cid: str, p: Prepared) -> None:
         assert self.nc is not None
@@ -213,26 +230,34 @@ class FrontendService:
         """End a call from this side (socket closed, timeout, refused append)."""
         if call.cid not in self.calls:
             return
-        if tell_client:
-            call.reply({"error": reason, "status": status})
-        await self._cleanup(call)
+        await self._cleanup(call, {"error": reason, "status": status} if tell_client else None)
         if self.js is not None:
             with contextlib.suppress(Exception):
                 await self.js.publish(subjects.abort(call.cid), wire.encode(wire.Abort(reason=reason, status=status)))
 
-    async def _cleanup(self, call: Call) -> None:
+    async def _cleanup(self, call: Call, reply: dict[str, Any] | None = None) -> None:
+        """Forget the call, free its request_id, then send `reply` (so a client that reads the
+        call's last message may reuse the request_id at once), then drop its subscriptions."""
         self.calls.pop(call.cid, None)
         call.input.close()
-        call.ended.set()
-        for sub in call.subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        call.subs.clear()
         if call.request_id is not None and self.rids is not None:
             with contextlib.suppress(Exception):
                 entry = await self.rids.get(call.request_id)
                 if entry.value == call.cid.encode():
                     await self.rids.delete(call.request_id, last=entry.revision)
+        call.ended.set()
+        if reply is not None:
+            call.reply(reply)
+        subs, call.subs = call.subs, []
+        # In a task of its own: unsubscribing from inside that subscription's callback (a fin
+        # or the last output) would cancel the callback itself.
+        asyncio.get_running_loop().create_task(self._unsubscribe(subs))
+
+    @staticmethod
+    async def _unsubscribe(subs: list[Subscription]) -> None:
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     # -- from the bus ----------------------------------------------------------
     async def _on_out(self, m: Msg) -> None:
@@ -283,10 +308,9 @@ class FrontendService:
         if fin.status == 200:
             if not self._all_outputs(call):
                 log.warning("call %s finished with outputs missing", call.cid)
-            call.reply({"finish": {"reason": fin.reason, "usage": fin.usage}})
+            await self._cleanup(call, {"finish": {"reason": fin.reason, "usage": fin.usage}})
         else:
-            call.reply({"error": fin.error or fin.reason, "status": fin.status})
-        await self._cleanup(call)
+            await self._cleanup(call, {"error": fin.error or fin.reason, "status": fin.status})
 
     async def _check_timeouts(self) -> None:
         now = time.monotonic()
