@@ -88,6 +88,14 @@ def assign(worker_id: str) -> str:
     return f"ctl.worker.{worker_id}.assign"
 
 
+def worker_stats(worker_id: str) -> str:
+    """Request/reply: the worker's load, steps, batch sizes and data-path latency."""
+    return f"ctl.worker.{worker_id}.stats"
+
+
+WORKER_STATS_ALL = "ctl.worker.*.stats"
+
+
 # What the conductor consumes: O(1) messages per call, never data subjects (I-1).
 CONDUCTOR_FILTERS = [
     f"{_PREFIX}.*.{OPEN}",

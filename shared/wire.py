@@ -66,6 +66,7 @@ class InputItem(Msg, tag="in"):
 
     seq: int
     item: WireItem
+    sent_ns: int = 0  # wall clock at publish: the worker measures the data path with it
 
 
 class EndOfInput(Msg, tag="eoi"):

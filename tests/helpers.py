@@ -77,6 +77,7 @@ class Stack:
         self.config = cfg
         self.procs: dict[str, Proc] = {}
         self.ports: list[int] = []
+        self.port_owner: dict[int, str] = {}
         self.env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1", "DUPLEXBUS_LOG": "INFO"}
 
     def _argv(self, *args: str) -> list[str]:
@@ -103,6 +104,7 @@ class Stack:
         port = free_port()
         self._start(name, self._argv("frontend", "--port", str(port)))
         self.ports.append(port)
+        self.port_owner[port] = name
         return port
 
     def _start(self, name: str, argv: list[str]) -> Proc:
@@ -125,8 +127,11 @@ class Stack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
-                ok = await asyncio.to_thread(_get_ok, f"http://127.0.0.1:{port}/healthz")
-                if ok:
+                pid = await asyncio.to_thread(_ready_pid, f"http://127.0.0.1:{port}/healthz")
+                if pid is not None:
+                    mine = self.procs[self.port_owner[port]].p.pid
+                    if pid != mine:  # another test run on this machine took the port first
+                        raise RuntimeError(f"port {port} is served by another process ({pid}, not {mine})")
                     return
             dead = [p for p in self.procs.values() if not p.alive()]
             if dead:
@@ -187,9 +192,9 @@ class Stack:
         return "\n".join(f"== {p.name}\n{p.tail()}" for p in self.procs.values())
 
 
-def _get_ok(url: str) -> bool:
+def _ready_pid(url: str) -> int | None:
     with urllib.request.urlopen(url, timeout=1) as r:
-        return bool(r.status == 200)
+        return int(json.loads(r.read())["pid"]) if r.status == 200 else None
 
 
 def pcm(samples: np.ndarray) -> str:

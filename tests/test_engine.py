@@ -224,3 +224,19 @@ def test_local_pipeline_runs_echo_in_order() -> None:
     r = p.result("x")
     assert [o[1]["frame"] for o in r.outputs] == list(range(7))
     assert r.usage["Talker"] == {"frames": 7} and not r.errors
+
+
+def test_calls_without_input_are_stepped_at_most_every_tick() -> None:
+    part = Recorder()
+    e = Engine("P", TOPO, part, tick_s=0.02)
+    e.add_call("a", {"ticks": 5})
+    e.end("a", "in", 0)
+    e.step(now=10.0)  # the final (empty) chunk is input: stepped at once
+    assert not e.has_work(now=10.01)  # only wants_step left: paced
+    assert e.next_due(10.01) == pytest.approx(0.01)
+    assert e.has_work(now=10.025)
+    e.step(now=10.025)
+    e.add_call("b")
+    e.push("b", "in", 0, item(0))
+    assert e.has_work(now=10.026)  # new input is never paced
+    assert [s.cid for s in e.next_batch(now=10.026)] == ["b"]

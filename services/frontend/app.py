@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -249,7 +250,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
     async def healthz(request: Request) -> Response:
         ok = svc.ready.is_set()
         return JSONResponse(
-            {"ready": ok, "frontend_id": svc.frontend_id, "calls": len(svc.calls)}, status_code=200 if ok else 503
+            {"ready": ok, "frontend_id": svc.frontend_id, "pid": os.getpid(), "calls": len(svc.calls)}, status_code=200 if ok else 503
         )
 
     async def index(request: Request) -> Response:

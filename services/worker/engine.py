@@ -9,6 +9,7 @@ whole model through these cores in one process, for tests and benchmarks.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class _Call:
     state: CallState = CallState.RUNNING
     outputs: int = 0
     last_step: int = -1  # step number this call was last served (fairness: least recent first)
+    last_time: float = -math.inf  # when it was last served (paces steps without input)
     in_flight: bool = False  # part of the batch being stepped now
 
     def move(self, to: CallState) -> None:
@@ -111,8 +113,12 @@ class Engine:
         partition: Partition,
         max_batch: int = 64,
         buffer_capacity: int = 4096,
+        tick_s: float = 0.0,
     ) -> None:
         self.name = partition_name
+        # A call with no new input that still wants steps (paced audio, draining) is stepped
+        # at most every tick_s, not in a tight loop.
+        self.tick_s = tick_s
         self.partition = partition
         self.max_batch = max_batch
         self.buffer_capacity = buffer_capacity
@@ -182,19 +188,29 @@ class Engine:
         return [FailCall(call.cid, error)]
 
     # -- stepping ------------------------------------------------------------
-    def _wants(self, call: _Call) -> bool:
-        if call.in_flight:
-            return False
-        if any(b.has_chunk() for b in call.buffers.values()):
+    def _has_input(self, call: _Call) -> bool:
+        return not call.in_flight and any(b.has_chunk() for b in call.buffers.values())
+
+    def _idle_wants(self, call: _Call) -> bool:
+        return not call.in_flight and (call.state is CallState.DRAINING or self.partition.wants_step(call.cid))
+
+    def _wants(self, call: _Call, now: float) -> bool:
+        if self._has_input(call):
             return True
-        return call.state is CallState.DRAINING or self.partition.wants_step(call.cid)
+        return self._idle_wants(call) and now - call.last_time >= self.tick_s
 
-    def has_work(self) -> bool:
-        return any(self._wants(c) for c in self._calls.values())
+    def has_work(self, now: float = math.inf) -> bool:
+        """`now` (monotonic seconds) paces calls without input; the default ignores the pacing."""
+        return any(self._wants(c, now) for c in self._calls.values())
 
-    def next_batch(self) -> list[StepInput]:
+    def next_due(self, now: float) -> float | None:
+        """Seconds until some call is due a step without new input; None if none wants one."""
+        due = [c.last_time + self.tick_s - now for c in self._calls.values() if self._idle_wants(c)]
+        return max(0.0, min(due)) if due else None
+
+    def next_batch(self, now: float = math.inf) -> list[StepInput]:
         """Up to max_batch calls, one chunk per input edge each, least recently served first."""
-        ready = [c for c in self._calls.values() if self._wants(c)]
+        ready = [c for c in self._calls.values() if self._wants(c, now)]
         ready.sort(key=lambda c: c.last_step)
         batch: list[StepInput] = []
         for call in ready[: self.max_batch]:
@@ -205,13 +221,14 @@ class Engine:
                     chunks[edge] = chunk
             call.in_flight = True
             call.last_step = self._step_no
+            call.last_time = now if math.isfinite(now) else -math.inf
             batch.append(StepInput(call.cid, chunks, inputs_ended=call.inputs_ended))
         self._step_no += 1
         return batch
 
-    def step(self) -> list[Action]:
+    def step(self, now: float = math.inf) -> list[Action]:
         """next_batch, step and complete in one go (the shell splits them to step off-loop)."""
-        batch = self.next_batch()
+        batch = self.next_batch(now)
         if not batch:
             return []
         return self.complete(batch, self.partition.step(batch))

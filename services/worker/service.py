@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import DuplexError, Overloaded, WorkerFailed
 from duplexbus.shared.service import delete_quietly, heartbeat
+from duplexbus.shared.stats import Reservoir
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,8 @@ class WorkerService:
         for p in self.partitions:
             part = self.model.create_partition(p)
             self.runners[p] = _Runner(
-                eng.Engine(p, topo, part, max_batch=config.max_batch), blocking=getattr(part, "blocking", True)
+                eng.Engine(p, topo, part, max_batch=config.max_batch, tick_s=TICK_S),
+                blocking=getattr(part, "blocking", True),
             )
         # which partition consumes each edge this worker reads
         self.consumer_of = {c.edge_name: c.to_partition for c in topo.connections if c.to_partition in self.partitions}
@@ -77,6 +80,7 @@ class WorkerService:
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self._accepting = True
+        self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
     @property
     def load(self) -> int:
@@ -89,6 +93,7 @@ class WorkerService:
         kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_WORKERS])
         kv = kvs[subjects.KV_WORKERS]
         await self.nc.subscribe(subjects.assign(self.worker_id), cb=self._on_assign)
+        await self.nc.subscribe(subjects.worker_stats(self.worker_id), cb=self._on_stats)
         log.info("worker %s serving %s %s", self.worker_id, self.model_name, self.partitions)
         async with asyncio.TaskGroup() as tg:
             steppers = [tg.create_task(self._step_loop(name, r)) for name, r in self.runners.items()]
@@ -186,7 +191,7 @@ class WorkerService:
                 except (TimeoutError, NatsTimeout):
                     break
                 for m in msgs:
-                    await self._on_data(m)
+                    await self._handle_data(m, live=False)
                     pending = m.metadata.num_pending
             await sub.unsubscribe()
             with contextlib.suppress(Exception):
@@ -196,8 +201,39 @@ class WorkerService:
         except Exception:
             log.exception("catch-up read for %s failed", cid)
 
+    async def _on_stats(self, msg: Msg) -> None:
+        """Live figures for operators and benchmarks; a request body of b"reset" clears them after."""
+        parts = {}
+        for name, r in self.runners.items():
+            st = r.engine.stats
+            sizes = st.batch_sizes
+            parts[name] = {
+                "calls": len(r.engine),
+                "steps": st.steps,
+                "chunks": st.chunks,
+                "mean_batch": (sum(sizes) / len(sizes)) if sizes else 0.0,
+                "max_batch": max(sizes) if sizes else 0,
+            }
+        lat = self.data_path_ms
+        body = {
+            "worker_id": self.worker_id,
+            "model": self.model_name,
+            "load": self.load,
+            "partitions": parts,
+            "data_path_ms": {"n": lat.count, "p50": lat.percentile(50), "p99": lat.percentile(99)},
+        }
+        if msg.data == b"reset":
+            lat.clear()
+            for r in self.runners.values():
+                r.engine.stats.batch_sizes.clear()
+        if msg.reply:
+            await msg.respond(json.dumps(body).encode())
+
     # -- data ----------------------------------------------------------------
     async def _on_data(self, m: Msg) -> None:
+        await self._handle_data(m, live=True)
+
+    async def _handle_data(self, m: Msg, live: bool) -> None:
         try:
             s = subjects.parse(m.subject)
             msg = wire.decode(m.data)
@@ -208,6 +244,8 @@ class WorkerService:
             return
         r = self.runners[self.consumer_of[s.edge]]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
+            if live and isinstance(msg, wire.InputItem) and msg.sent_ns:
+                self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
             actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item())
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
             actions = r.engine.end(s.cid, s.edge, msg.total)
@@ -243,13 +281,15 @@ class WorkerService:
     # -- stepping ------------------------------------------------------------
     async def _step_loop(self, name: str, r: _Runner) -> None:
         while True:
-            if not r.engine.has_work():
+            now = time.monotonic()
+            if not r.engine.has_work(now):
                 r.wake.clear()
+                due = r.engine.next_due(now)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(r.wake.wait(), timeout=TICK_S * 5)
+                    await asyncio.wait_for(r.wake.wait(), timeout=1.0 if due is None else max(due, 0.001))
                 continue
             async with r.lock:
-                batch = r.engine.next_batch()
+                batch = r.engine.next_batch(time.monotonic())
                 if not batch:
                     continue
                 try:

@@ -1,0 +1,99 @@
+"""Start `duplexbus up` for a benchmark and stop it afterwards (shared by the bench scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+import nats
+
+from duplexbus.shared import subjects
+from duplexbus.shared.embedded import free_port
+
+
+class UpStack:
+    def __init__(self, model: str = "echo", frontends: int = 1, workers: int = 1, config: dict | None = None) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-"))
+        cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", model, "--port", str(self.port)]
+        cmd += ["--frontends", str(frontends), "--workers", str(workers), "--run-dir", str(self.dir / "run")]
+        if config:
+            import yaml
+
+            cfg = self.dir / "config.yaml"
+            cfg.write_text(yaml.safe_dump({"model": model, **config}))
+            cmd += ["--config", str(cfg)]
+        env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+        env["DUPLEXBUS_LOG"] = "WARNING"
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()
+        self.nats_url = first.split(" on ")[1].split(",")[0]
+        self.frontends = frontends
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        for i in range(self.frontends):
+            while True:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("duplexbus up did not become ready")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port + i}/healthz", timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(0.1)
+        time.sleep(1.5)  # every worker has heartbeated
+
+    def ws_url(self, i: int = 0) -> str:
+        return f"ws://127.0.0.1:{self.port + i % self.frontends}/generate/ws"
+
+    async def worker_stats(self, reset: bool = False) -> list[dict]:
+        nc = await nats.connect(self.nats_url)
+        try:
+            kv = await nc.jetstream().key_value(subjects.KV_WORKERS)
+            out = []
+            for wid in await kv.keys():
+                r = await nc.request(subjects.worker_stats(wid), b"reset" if reset else b"", timeout=5)
+                out.append(json.loads(r.data))
+            return out
+        finally:
+            await nc.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> UpStack:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.machine()}, Python {platform.python_version()}"
+    )
