@@ -128,9 +128,7 @@ async def main() -> None:
     cfg = {"max_concurrent_requests": max(levels) + 10, "worker_slots": max(levels) + 10}
     results = []
     with UpStack("echo", frontends=args.frontends, config=cfg) as stack:
-        print(
-            "| live calls | frames | lag p50 ms | lag p99 ms | data path p50 ms | data path p99 ms | errors | real time |"
-        )
+        print("| live calls | frames | lag p50 ms | lag p99 ms | data path p50 ms | data path p99 ms | errors | real time |")
         print("|---|---|---|---|---|---|---|---|")
         for n in levels:
             r = await level(stack, n, args.seconds, args.per_socket)

@@ -94,6 +94,4 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (
-        f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.machine()}, Python {platform.python_version()}"
-    )
+    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.machine()}, Python {platform.python_version()}"

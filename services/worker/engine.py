@@ -249,9 +249,7 @@ class Engine:
                 call.outputs += 1
             elif isinstance(e, EdgeItem):
                 if e.edge not in call.out_edges:
-                    raise ValueError(
-                        f"partition {self.name} emitted on {e.edge!r}, not one of its edges {self.outputs}"
-                    )
+                    raise ValueError(f"partition {self.name} emitted on {e.edge!r}, not one of its edges {self.outputs}")
                 actions.append(PublishEdgeItem(e.cid, e.edge, call.out_edges[e.edge], e.item))
                 call.out_edges[e.edge] += 1
         for s in batch:

@@ -314,9 +314,7 @@ class WorkerService:
                 await nc.publish(subjects.out(a.cid), body, headers=_msg_id(a.cid, subjects.OUT, partition, a.seq))
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
-                await nc.publish(
-                    subjects.edge(a.cid, a.edge), body, headers=_msg_id(a.cid, subjects.EDGE, a.edge, a.seq)
-                )
+                await nc.publish(subjects.edge(a.cid, a.edge), body, headers=_msg_id(a.cid, subjects.EDGE, a.edge, a.seq))
             elif isinstance(a, eng.PublishEdgeEnd):
                 await self.js.publish(
                     subjects.edge_end(a.cid, a.edge),
@@ -326,9 +324,7 @@ class WorkerService:
             elif isinstance(a, eng.PublishDone):
                 await self.js.publish(
                     subjects.done(a.cid, partition),
-                    wire.encode(
-                        wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
-                    ),
+                    wire.encode(wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)),
                     headers=_msg_id(a.cid, subjects.DONE, partition, 0),
                 )
                 await self._partition_finished(a.cid, partition)
