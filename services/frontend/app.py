@@ -195,14 +195,13 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
                 big = LimitExceeded("max_message_mb", f"a request body over the limit of {limit} bytes")
                 return JSONResponse({"request_id": None, "error": big.message, "status": 400}, status_code=400)
             chunks.append(part)
-        msg = parse_message(b"".join(chunks))
+        msg = parse_message(b"".join(chunks), one_shot=True)
         if isinstance(msg, ParseError):
             body = {"request_id": msg.request_id, "error": msg.error.message, "status": msg.error.status}
             return JSONResponse(body, status_code=msg.error.status)
         if not isinstance(msg, Opening):
             err = ProtocolError("POST /generate takes an opening (no append, end_input alone or abort)")
             return JSONResponse({"request_id": msg.request_id, "error": err.message, "status": 400}, status_code=400)
-        msg.end_input = True  # one-shot: every client stream ends with the opening
         buf: deque[dict[str, Any]] = deque()
         more = asyncio.Event()
         opened: list[Call] = []
@@ -226,9 +225,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         try:
             call = await svc.open_call(msg, sink, request)
         except DuplexError as e:
-            return JSONResponse(
-                {"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status
-            )
+            return JSONResponse({"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status)
         opened.append(call)
 
         async def lines() -> AsyncIterator[bytes]:
@@ -250,7 +247,8 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
     async def healthz(request: Request) -> Response:
         ok = svc.ready.is_set()
         return JSONResponse(
-            {"ready": ok, "frontend_id": svc.frontend_id, "pid": os.getpid(), "calls": len(svc.calls)}, status_code=200 if ok else 503
+            {"ready": ok, "frontend_id": svc.frontend_id, "pid": os.getpid(), "calls": len(svc.calls)},
+            status_code=200 if ok else 503,
         )
 
     async def index(request: Request) -> Response:

@@ -91,9 +91,10 @@ def kind_of(msg: dict[str, Any]) -> Kind:
     return "opening"
 
 
-def parse_message(text: str | bytes, max_bytes: int | None = None) -> ClientMessage | ParseError:
+def parse_message(text: str | bytes, max_bytes: int | None = None, one_shot: bool = False) -> ClientMessage | ParseError:
     """One client message. Over `max_bytes` it is refused (400 naming max_message_mb)
-    after reading only its request_id and kind, so the reply can name the call."""
+    after reading only its request_id and kind, so the reply can name the call.
+    `one_shot` (`POST /generate`): an opening ends every client stream, whatever its end_input."""
     size = len(text)
     too_big = max_bytes is not None and (
         size > max_bytes or (isinstance(text, str) and 4 * size > max_bytes and len(text.encode()) > max_bytes)
@@ -115,7 +116,7 @@ def parse_message(text: str | bytes, max_bytes: int | None = None) -> ClientMess
     if too_big:
         return ParseError(_too_big(text, max_bytes), rid_text, kind)
     try:
-        return _parse(msg, kind)
+        return _parse(msg, kind, one_shot)
     except ProtocolError as e:
         return ParseError(e, rid_text, kind)
 
@@ -125,7 +126,7 @@ def _too_big(text: str | bytes, max_bytes: int | None) -> LimitExceeded:
     return LimitExceeded("max_message_mb", f"a message of {n} bytes is over the limit of {max_bytes} bytes")
 
 
-def _parse(msg: dict[str, Any], kind: Kind) -> ClientMessage:
+def _parse(msg: dict[str, Any], kind: Kind, one_shot: bool = False) -> ClientMessage:
     rid = msg.get("request_id")
     if rid is not None and not isinstance(rid, str):
         raise ProtocolError(f"request_id must be a string, got {type(rid).__name__}")
@@ -143,6 +144,8 @@ def _parse(msg: dict[str, Any], kind: Kind) -> ClientMessage:
             raise ProtocolError("end_input alone must be true or a non-empty list of stream names")
         return EndInput(_require_rid(rid), end)
     _only(msg, {"request_id", "model", "text", "files", "model_kwargs", "end_input"})
+    if one_shot:
+        end = True
     model = msg.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError(f"model must be a string, got {type(model).__name__}")

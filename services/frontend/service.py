@@ -213,9 +213,9 @@ class FrontendService:
         for edge, seq, item in p.items:
             body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item)))
             # Core publish: the stream stores it all the same, with no round trip per append.
-            await self.nc.publish(
-                subjects.input_(cid, edge), body, headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.IN, edge, seq)}
-            )
+            # No Nats-Msg-Id: consumers deduplicate items by seq, and the server's duplicate
+            # window would track every item (measured: docs/performance.md).
+            await self.nc.publish(subjects.input_(cid, edge), body)
 
     async def _publish_ends(self, cid: str, p: Prepared) -> None:
         assert self.js is not None
