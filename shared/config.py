@@ -46,6 +46,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_message_mb: float = 16.0  # one WebSocket message
     worker_slots: int = 512  # calls one worker takes at once
     max_batch: int = 64  # calls in one step
+    step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
     heartbeat_s: float = 1.0
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
     placement_timeout_s: float = 5.0
@@ -69,6 +70,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(key, f"must be > 0, got {value}")
+        if self.step_window_ms < 0:
+            raise ConfigError("step_window_ms", "must be >= 0")
         if self.max_queued_requests < 0:
             raise ConfigError("max_queued_requests", "must be >= 0")
         for edge, s in self.client_streams.items():

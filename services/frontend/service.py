@@ -211,7 +211,7 @@ class FrontendService:
     async def _publish_items(self, cid: str, p: Prepared) -> None:
         assert self.nc is not None
         for edge, seq, item in p.items:
-            body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item)))
+            body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item), sent_ns=time.time_ns()))
             # Core publish: the stream stores it all the same, with no round trip per append.
             # No Nats-Msg-Id: consumers deduplicate items by seq, and the server's duplicate
             # window would track every item (measured: docs/performance.md).

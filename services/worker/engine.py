@@ -125,6 +125,8 @@ class Engine:
         self.inputs = topology.inputs_of(partition_name)
         self.outputs = [c.edge_name for c in topology.outputs_of(partition_name)]
         self._calls: dict[str, _Call] = {}
+        self._dirty: dict[str, None] = {}  # calls that got input since they were last served (ordered set)
+        self._next_idle_scan = -math.inf
         self._step_no = 0
         self.stats = EngineStats()
 
@@ -162,6 +164,7 @@ class Engine:
             buf.push(seq, item)
         except (ProtocolError, LimitExceeded) as e:
             return self._fail(call, e)
+        self._dirty[cid] = None
         return []
 
     def end(self, cid: str, edge: str, total: int) -> list[Action]:
@@ -175,6 +178,7 @@ class Engine:
             buf.end(total)
         except ProtocolError as e:
             return self._fail(call, e)
+        self._dirty[cid] = None
         return []
 
     def fail_call(self, cid: str, error: DuplexError) -> list[Action]:
@@ -203,6 +207,26 @@ class Engine:
         """`now` (monotonic seconds) paces calls without input; the default ignores the pacing."""
         return any(self._wants(c, now) for c in self._calls.values())
 
+    def _candidates(self, now: float) -> list[_Call]:
+        """Calls to serve now. Calls with new input come from the dirty set (O(new input), not
+        O(calls): this runs for every step); calls that only want paced steps are looked for
+        by a full scan at most every tick."""
+        out: dict[str, _Call] = {}
+        for cid in list(self._dirty):
+            call = self._calls.get(cid)
+            if call is None:
+                del self._dirty[cid]
+            elif self._has_input(call):
+                out[cid] = call
+            elif not call.in_flight:
+                del self._dirty[cid]  # drained; a push or end marks it again
+        if now >= self._next_idle_scan:
+            self._next_idle_scan = now + self.tick_s / 2 if math.isfinite(now) else -math.inf
+            for call in self._calls.values():
+                if call.cid not in out and self._idle_wants(call) and now - call.last_time >= self.tick_s:
+                    out[call.cid] = call
+        return list(out.values())
+
     def next_due(self, now: float) -> float | None:
         """Seconds until some call is due a step without new input; None if none wants one."""
         due = [c.last_time + self.tick_s - now for c in self._calls.values() if self._idle_wants(c)]
@@ -210,7 +234,7 @@ class Engine:
 
     def next_batch(self, now: float = math.inf) -> list[StepInput]:
         """Up to max_batch calls, one chunk per input edge each, least recently served first."""
-        ready = [c for c in self._calls.values() if self._wants(c, now)]
+        ready = self._candidates(now)
         ready.sort(key=lambda c: c.last_step)
         batch: list[StepInput] = []
         for call in ready[: self.max_batch]:
@@ -257,6 +281,7 @@ class Engine:
             if call is None:
                 continue
             call.in_flight = False
+            self._dirty[call.cid] = None  # input that arrived while it was in flight
             if not call.inputs_ended:
                 continue
             if self.partition.wants_step(call.cid):
