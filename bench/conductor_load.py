@@ -1,0 +1,63 @@
+"""Messages the conductor receives per call, against appends per call (invariant I-1).
+
+Counts what the conductor's durable consumer delivered (every call message it
+ever sees) for one call of N appends, through the real services.
+
+    .venv/bin/python -m bench.conductor_load --appends 10,100,1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+
+import nats
+import numpy as np
+import websockets
+
+from bench.stack import UpStack, machine
+from duplexbus.shared import subjects
+
+
+async def delivered(url: str) -> int:
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream().consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
+        return int(info.delivered.consumer_seq or 0) if info.delivered else 0
+    finally:
+        await nc.close()
+
+
+async def one_call(url: str, appends: int) -> None:
+    data = base64.b64encode(np.zeros(160, dtype="<i2").tobytes()).decode()  # 10 ms each
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"request_id": f"load{appends}"}))
+        for _ in range(appends):
+            await ws.send(json.dumps({"request_id": f"load{appends}", "append": [{"name": "a.pcm", "data": data}]}))
+        await ws.send(json.dumps({"request_id": f"load{appends}", "end_input": True}))
+        async for raw in ws:
+            m = json.loads(raw)
+            if "finish" in m or ("error" in m and not m.get("append")):
+                return
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--appends", default="10,100,1000")
+    args = ap.parse_args()
+    print(f"machine: {machine()}")
+    print("| appends per call | items published | messages the conductor received |")
+    print("|---|---|---|")
+    with UpStack("echo") as stack:
+        for n in [int(x) for x in args.appends.split(",")]:
+            before = await delivered(stack.nats_url)
+            await one_call(stack.ws_url(), n)
+            await asyncio.sleep(0.5)
+            got = await delivered(stack.nats_url) - before
+            print(f"| {n} | {-(-n * 160 // 1280)} | {got} |", flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,190 @@
+"""What one subject set per call costs JetStream, with 10,000 finished calls in the stream.
+
+1. Fill: 10,000 finished calls (every subject kind a call uses) into DUPLEX_CALLS,
+   published the way the services publish (core publish, stored by the stream);
+   publish rate and server memory (from /varz) before and after.
+2. Live calls on top of that history, read two ways:
+   A (chosen): a core subscription per call and edge, plus one catch-up read per call
+      (an ephemeral consumer created, read to the end and deleted);
+   B (alternative): one ordered push consumer per call and edge, all reads through JetStream.
+   For each: consumer/subscription set-up time per call (p50/p99) and the receive rate
+   with 200 calls publishing at once.
+
+    .venv/bin/python -m bench.jetstream_cost --calls 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bench.stack import machine
+from duplexbus.shared import bus, subjects, wire
+from duplexbus.shared.config import parse_config
+from duplexbus.shared.embedded import NatsServer
+from duplexbus.shared.stats import percentile
+
+ITEM = b"\x00" * 2560  # one 80 ms frame of 16 kHz PCM16
+
+
+def varz(server: NatsServer) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/varz", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def item_msg(seq: int) -> bytes:
+    return wire.encode(wire.InputItem(seq=seq, item=wire.WireItem(wire.Tensor("<i2", [1280], ITEM))))
+
+
+async def fill(nc: nats.NATS, calls: int, items: int) -> tuple[int, float]:
+    """Publish `calls` finished calls; returns (messages, seconds until all are stored)."""
+    js = nc.jetstream()
+    start_n = (await js.stream_info(subjects.STREAM)).state.messages
+    t0 = time.perf_counter()
+    n = 0
+    for c in range(calls):
+        cid = f"{c:012x}fill"
+        await nc.publish(subjects.open_(cid), b"open")
+        for s in range(items):
+            await nc.publish(subjects.input_(cid, "audio_in"), item_msg(s))
+            await nc.publish(subjects.edge(cid, "frames"), item_msg(s))
+            await nc.publish(subjects.out(cid), b"o" * 3500)
+        for subj in (subjects.eoi(cid, "audio_in"), subjects.edge_end(cid, "frames"), subjects.done(cid, "Encoder"),
+                     subjects.done(cid, "Talker"), subjects.fin(cid)):  # fmt: skip
+            await nc.publish(subj, b"x")
+        n += 1 + 3 * items + 5
+        if c % 500 == 0:
+            await nc.flush()
+    await nc.flush()
+    while (await js.stream_info(subjects.STREAM)).state.messages < start_n + n:
+        await asyncio.sleep(0.05)
+    return n, time.perf_counter() - t0
+
+
+async def pattern_a(nc: nats.NATS, cids: list[str], items: int) -> dict[str, float]:
+    """Core subscription per call + one catch-up read per call."""
+    js = nc.jetstream()
+    got = {cid: 0 for cid in cids}
+    done = asyncio.Event()
+    total = len(cids) * items
+
+    async def cb(m: Any) -> None:
+        got[subjects.parse(m.subject).cid] += 1
+        if sum(got.values()) >= total:
+            done.set()
+
+    setup: list[float] = []
+    subs = []
+    for cid in cids:
+        t = time.perf_counter()
+        subs.append(await nc.subscribe(f"call.{cid}.*.audio_in", cb=cb))
+        await nc.flush()
+        cfg = ConsumerConfig(filter_subjects=[f"call.{cid}.*.audio_in"], deliver_policy=DeliverPolicy.ALL,
+                             ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)  # fmt: skip
+        info = await js.add_consumer(subjects.STREAM, cfg)
+        await js.delete_consumer(subjects.STREAM, info.name)  # nothing stored yet: read ends at once
+        setup.append(time.perf_counter() - t)
+    t0 = time.perf_counter()
+    await publish_all(nc, cids, items)
+    await asyncio.wait_for(done.wait(), 120)
+    rate = total / (time.perf_counter() - t0)
+    for s in subs:
+        await s.unsubscribe()
+    return {"setup_p50_ms": percentile(setup, 50) * 1000, "setup_p99_ms": percentile(setup, 99) * 1000, "msgs_per_s": rate}  # type: ignore[operator]
+
+
+async def pattern_b(nc: nats.NATS, cids: list[str], items: int) -> dict[str, float]:
+    """One ordered push consumer per call: every read through JetStream."""
+    js = nc.jetstream()
+    got = {cid: 0 for cid in cids}
+    done = asyncio.Event()
+    total = len(cids) * items
+
+    async def cb(m: Any) -> None:
+        got[subjects.parse(m.subject).cid] += 1
+        if sum(got.values()) >= total:
+            done.set()
+
+    setup: list[float] = []
+    subs = []
+    for cid in cids:
+        t = time.perf_counter()
+        subs.append(await js.subscribe(f"call.{cid}.in.audio_in", cb=cb, ordered_consumer=True, stream=subjects.STREAM))
+        setup.append(time.perf_counter() - t)
+    t0 = time.perf_counter()
+    await publish_all(nc, cids, items)
+    await asyncio.wait_for(done.wait(), 120)
+    rate = total / (time.perf_counter() - t0)
+    for s in subs:
+        await s.unsubscribe()
+    return {"setup_p50_ms": percentile(setup, 50) * 1000, "setup_p99_ms": percentile(setup, 99) * 1000, "msgs_per_s": rate}  # type: ignore[operator]
+
+
+async def publish_all(nc: nats.NATS, cids: list[str], items: int) -> None:
+    pub = await nats.connect(nc.connected_url.geturl() if nc.connected_url else "")
+    for s in range(items):
+        body = item_msg(s)
+        for cid in cids:
+            await pub.publish(subjects.input_(cid, "audio_in"), body)
+        await pub.flush()
+    await pub.close()
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=10_000)
+    ap.add_argument("--items", type=int, default=5, help="items per finished call and edge")
+    ap.add_argument("--live", type=int, default=200, help="live calls in the read test")
+    ap.add_argument("--live-items", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(f"machine: {machine()}")
+    with tempfile.TemporaryDirectory() as d, NatsServer(d) as server:
+        cfg = parse_config({"nats_url": server.url})
+        nc = await bus.connect(cfg, "bench")
+        await bus.ensure_stream(nc.jetstream(), cfg)
+        mem0 = varz(server)["mem"]
+        n, secs = await fill(nc, args.calls, args.items)
+        info = await nc.jetstream().stream_info(subjects.STREAM)
+        mem1 = varz(server)["mem"]
+        res: dict[str, Any] = {
+            "finished_calls": args.calls,
+            "messages": n,
+            "fill_msgs_per_s": n / secs,
+            "stream_bytes": info.state.bytes,
+            "server_mem_before_mb": mem0 / 2**20,
+            "server_mem_after_mb": mem1 / 2**20,
+        }
+        print(f"fill: {args.calls} finished calls, {n} messages, {n / secs:,.0f} msgs/s published and stored")
+        print(f"stream: {info.state.bytes / 2**20:.1f} MiB; server memory {mem0 / 2**20:.1f} -> {mem1 / 2**20:.1f} MiB")
+        print()
+        print(
+            f"| read pattern ({args.live} live calls x {args.live_items} items) | set-up p50 ms | set-up p99 ms | receive rate msgs/s |"
+        )
+        print("|---|---|---|---|")
+        for name, fn in (
+            ("A: core subscription + catch-up read (chosen)", pattern_a),
+            ("B: ordered consumer per call", pattern_b),
+        ):
+            cids = [f"{i:012x}{name[0].lower()}live" for i in range(args.live)]
+            r = await fn(nc, cids, args.live_items)
+            res[name[0]] = r
+            print(f"| {name} | {r['setup_p50_ms']:.2f} | {r['setup_p99_ms']:.2f} | {r['msgs_per_s']:,.0f} |", flush=True)
+        res["server_mem_end_mb"] = varz(server)["mem"] / 2**20
+        print(f"server memory at the end: {res['server_mem_end_mb']:.1f} MiB")
+        await nc.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "args": vars(args), "results": res}, f, indent=2)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
