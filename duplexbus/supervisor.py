@@ -81,9 +81,7 @@ def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
             children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
     for i in range(opts.frontends):
         port = opts.port + i
-        children.append(
-            Child(f"frontend-{i}", [*py, "frontend", *common, "--host", opts.host, "--port", str(port)], order=0)
-        )
+        children.append(Child(f"frontend-{i}", [*py, "frontend", *common, "--host", opts.host, "--port", str(port)], order=0))
     return children
 
 
@@ -98,6 +96,33 @@ def wait_http(url: str, timeout: float, children: list[Child]) -> bool:
             return False
         time.sleep(0.1)
     return False
+
+
+def wait_workers(nats_url: str, expected: int, timeout: float, children: list[Child]) -> bool:
+    """Until `expected` workers heartbeat (their models load after the frontend is up)."""
+    import asyncio
+
+    import nats
+
+    from duplexbus.shared import subjects
+
+    async def poll() -> bool:
+        nc = await nats.connect(nats_url)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if any(not c.alive() for c in children if c.name.startswith("worker")):
+                    return False
+                with contextlib.suppress(Exception):
+                    kv = await nc.jetstream().key_value(subjects.KV_WORKERS)
+                    if len(await kv.keys()) >= expected:
+                        return True
+                await asyncio.sleep(0.2)
+            return False
+        finally:
+            await nc.close()
+
+    return asyncio.run(poll())
 
 
 def run_up(opts: UpOptions, partitions: list[str]) -> int:
@@ -125,7 +150,10 @@ def run_up(opts: UpOptions, partitions: list[str]) -> int:
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
-        if wait_http(f"{url}/healthz", opts.ready_timeout, children):
+        workers = len(partitions) * opts.workers
+        if wait_http(f"{url}/healthz", opts.ready_timeout, children) and wait_workers(
+            env["NATS_URL"], workers, opts.ready_timeout, children
+        ):
             print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
         else:
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)

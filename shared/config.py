@@ -49,7 +49,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
     heartbeat_s: float = 1.0
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
-    placement_timeout_s: float = 5.0
+    placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
 
     def __post_init__(self) -> None:
         positive = {
