@@ -375,8 +375,8 @@ async def test_message_over_max_message_mb(ws: WS) -> None:
 # -- limits ----------------------------------------------------------------------
 async def test_max_call_input_mb_over_the_calls_lifetime(ws: WS) -> None:
     part = samples(150_000, seed=17)  # 300,000 bytes an append; the call may have 1 MiB
-    await ws.send({"request_id": "mb"})
-    for _ in range(3):
+    await live_call(ws, "mb", part)
+    for _ in range(2):
         await ws.send({"request_id": "mb", "append": [pcm_file(part)]})
     await ws.send({"request_id": "mb", "append": [pcm_file(part)]})
     m = await ws.final("mb", timeout=30)

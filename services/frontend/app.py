@@ -148,11 +148,14 @@ class SocketSession:
         await self.service.abort(call, e.message, e.status, tell_client=True)
 
     async def close(self) -> None:
-        """The socket closed: abort its calls, which frees their admission slots."""
-        for call in list(self.calls.values()):
-            await self.service.abort(call, "socket closed", 499)
-        # one-shots without a request_id are not in self.calls
-        for call in [c for c in self.service.calls.values() if c.owner is self]:
+        """The socket closed: abort its calls, which frees their admission slots.
+
+        One-shots first (they may be queued): were a live call's slot freed first, the
+        conductor could admit this socket's own queued one-shot into it, ahead of others.
+        (One-shots without a request_id are not in self.calls, hence the scan.)
+        """
+        mine = [c for c in self.service.calls.values() if c.owner is self]
+        for call in sorted(mine, key=lambda c: c.live):
             await self.service.abort(call, "socket closed", 499)
 
 

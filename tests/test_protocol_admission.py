@@ -1,0 +1,166 @@
+"""Admission through the real services: at `max_concurrent_requests` a live call is refused
+with 503 at once, a one-shot waits in a bounded FIFO (`max_queued_requests`) with its input
+in JetStream, and a closed socket's calls free their slots."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import nats
+import numpy as np
+import pytest
+
+from duplexbus.shared import subjects, wire
+from tests.helpers import WS, Stack, echo_bytes, pcm_file
+
+FRAME = 1280
+CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}
+
+
+@pytest.fixture(scope="module")
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    s = Stack(nats_url, CONFIG)
+    await s.start(workers=[None])
+    await s.wait_workers(1)
+    yield s
+    s.stop()
+
+
+async def call_records(nats_url: str) -> dict[str, wire.CallRecord]:
+    """The conductor's call records by request_id."""
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.KV_CALLS)
+        out = {}
+        try:
+            keys = await kv.keys()
+        except Exception:  # no keys
+            return {}
+        for k in keys:
+            e = await kv.get(k)
+            if e.value:
+                r = wire.decode_as(e.value, wire.CallRecord)
+                out[r.request_id] = r
+        return out
+    finally:
+        await nc.close()
+
+
+async def until_records(nats_url: str, pred: object, timeout: float = 10.0) -> dict[str, wire.CallRecord]:
+    deadline = time.monotonic() + timeout
+    while True:
+        records = await call_records(nats_url)
+        if pred(records):  # type: ignore[operator]
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"call records: {[(r.request_id, r.state) for r in records.values()]}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def idle(stack: Stack) -> AsyncIterator[None]:
+    """Each test starts with no call in the conductor (the last test's aborts processed)."""
+    await until_records(stack.nats_url, lambda r: not r)
+    yield
+
+
+def frames(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-9000, 9000, n * FRAME).astype("<i2")
+
+
+async def admitted(ws: WS, rid: str) -> None:
+    """Opens live call `rid` and waits for its first output: it holds a slot."""
+    await ws.send({"request_id": rid})
+    await ws.send({"request_id": rid, "append": [pcm_file(frames(1, 0))]})
+    first = await ws.until(lambda m: m.get("request_id") == rid and ("output" in m or "error" in m))
+    assert "output" in first, first
+    ws.inbox.insert(0, first)
+
+
+async def end(ws: WS, rid: str) -> None:
+    await ws.send({"request_id": rid, "end_input": True})
+    assert "finish" in await ws.final(rid)
+    ws.outputs(rid)
+
+
+async def test_live_call_at_the_cap_is_refused_with_503_at_once(stack: Stack, idle: None) -> None:
+    ws = await WS.connect(stack.ws_url())
+    await admitted(ws, "l1")
+    await admitted(ws, "l2")
+    t = time.monotonic()
+    await ws.send({"request_id": "l3"})
+    m = await ws.final("l3", timeout=5)
+    assert m.get("status") == 503 and "max_concurrent_requests" in m["error"], m
+    assert time.monotonic() - t < 1.0
+    await end(ws, "l1")  # the calls at the cap went on
+    await end(ws, "l2")
+    await ws.close()
+
+
+async def test_one_shot_queues_in_a_bounded_fifo_with_its_input_in_jetstream(stack: Stack, idle: None) -> None:
+    ws = await WS.connect(stack.ws_url())
+    await admitted(ws, "l1")
+    await admitted(ws, "l2")
+    q1, q2 = frames(5, 1), frames(3, 2)
+    await ws.send({"request_id": "q1", "files": [pcm_file(q1)], "end_input": True})
+    await ws.send({"request_id": "q2", "files": [pcm_file(q2)], "end_input": True})
+    records = await until_records(stack.nats_url, lambda r: "q1" in r and "q2" in r)
+    assert records["q1"].state == records["q2"].state == "queued"
+    assert not records["q1"].placement and not records["q1"].live
+    # Its input is in the stream, not held by any process: every item, before any worker has the call.
+    nc = await nats.connect(stack.nats_url)
+    try:
+        for rid, n in (("q1", 5), ("q2", 3)):
+            info = await nc.jetstream().stream_info(subjects.STREAM, subjects_filter=f"call.{records[rid].cid}.>")
+            held = info.state.subjects or {}
+            assert held.get(subjects.input_(records[rid].cid, "audio_in")) == n, held
+            assert held.get(subjects.eoi(records[rid].cid, "audio_in")) == 1, held
+    finally:
+        await nc.close()
+    t = time.monotonic()
+    await ws.send({"request_id": "q3", "files": [pcm_file(frames(1, 3))], "end_input": True})
+    m = await ws.final("q3", timeout=5)
+    assert m.get("status") == 503 and "max_queued_requests" in m["error"], m
+    assert time.monotonic() - t < 1.0
+    await ws.send({"request_id": "l3"})  # a live call is still refused at once
+    assert (await ws.final("l3", timeout=5)).get("status") == 503
+    assert not [m for m in ws.inbox if m.get("request_id") in ("q1", "q2")]  # nothing ran yet
+
+    await end(ws, "l1")  # one slot: q1 first, then q2 once q1 is done
+    order = []
+    for _ in range(2):
+        m = await ws.until(lambda m: m.get("request_id") in ("q1", "q2") and ("finish" in m or "error" in m))
+        assert "finish" in m, m
+        order.append(m["request_id"])
+    assert order == ["q1", "q2"]
+    assert echo_bytes(ws.outputs("q1")) == q1.tobytes()
+    assert echo_bytes(ws.outputs("q2")) == q2.tobytes()
+    await end(ws, "l2")
+    await ws.close()
+
+
+async def test_closed_socket_aborts_its_calls_and_frees_their_slots(stack: Stack, idle: None) -> None:
+    ws = await WS.connect(stack.ws_url())
+    await admitted(ws, "b1")
+    await admitted(ws, "b2")
+    await ws.send({"request_id": "bq", "files": [pcm_file(frames(2, 4))], "end_input": True})  # queued
+    await until_records(stack.nats_url, lambda r: r.get("bq") is not None and r["bq"].state == "queued")
+    await ws.close()
+    closed = time.monotonic()
+
+    other = await WS.connect(stack.ws_url())
+    await asyncio.sleep(0.2)
+    for rid in ("c1", "c2"):
+        await other.send({"request_id": rid})
+        await other.send({"request_id": rid, "append": [pcm_file(frames(1, 5))]})
+    assert time.monotonic() - closed < 1.0
+    for rid in ("c1", "c2"):
+        m = await other.until(lambda m, rid=rid: m.get("request_id") == rid and ("output" in m or "error" in m))
+        assert "output" in m, m  # admitted: the closed socket's slots were free
+    records = await call_records(stack.nats_url)
+    assert set(records) == {"c1", "c2"}  # the closed socket's calls, the queued one too, are gone
+    await end(other, "c1")
+    await end(other, "c2")
+    await other.close()
