@@ -1,0 +1,34 @@
+"""Run every benchmark in turn (the figures in docs/performance.md come from these).
+
+    .venv/bin/python bench/run_all.py            # or: make bench
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BENCHES = [
+    ["-m", "bench.live_load", "--calls", "1,50,200", "--seconds", "10"],
+    ["-m", "bench.live_load", "--calls", "100,200,300,400", "--seconds", "10"],
+    ["-m", "bench.conductor_load", "--appends", "10,100,1000"],
+    ["-m", "bench.jetstream_cost", "--calls", "10000"],
+    ["bench/batching.py"],
+    ["bench/voice_assistant_rtf.py"],
+    ["-m", "bench.voice_latency"],
+]
+
+
+def main() -> int:
+    failed = 0
+    for args in BENCHES:
+        print(f"\n$ python {' '.join(args)}", flush=True)
+        failed += subprocess.call([sys.executable, *args], cwd=ROOT) != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
