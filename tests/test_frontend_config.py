@@ -14,7 +14,14 @@ import pytest
 import yaml
 
 from duplexbus.models.echo import EchoModel
-from duplexbus.shared.config import ServingConfig, load_config, parse_config
+from duplexbus.shared.config import (
+    RetentionConfig,
+    ServingConfig,
+    StreamConfig,
+    TLSConfig,
+    load_config,
+    parse_config,
+)
 from duplexbus.shared.errors import ConfigError
 from tests.helpers import REPO
 from tests.protocol_model import AUDIO_MAX, DuoModel, argv
@@ -141,9 +148,40 @@ def run_frontend(tmp_path: Path, config: dict[str, Any]) -> subprocess.Completed
         ({"model": "duo", "client_streams": {"aux_in": {"max_items": None}}}, "client_streams.aux_in.max_items"),
         ({"model": "echo", "client_streams": {"nope": {"max_items": 3}}}, "client_streams.nope"),
         ({"model": "echo", "max_call_duraton_s": 10}, "max_call_duraton_s"),
+        ({"model": "no_such_model"}, "model"),
     ],
 )
 async def test_frontend_exits_at_start_up_naming_the_key(tmp_path: Path, config: dict[str, Any], key: str) -> None:
     proc = await asyncio.to_thread(run_frontend, tmp_path, config)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert f"config error: {key}:" in proc.stderr, proc.stderr[-2000:]
+
+
+def documented_defaults() -> dict[str, object]:
+    """`key` -> default from the table in docs/serving.md."""
+    rows: dict[str, object] = {}
+    for line in (REPO / "docs" / "serving.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0].endswith("`"):
+            rows[cells[0].strip("`")] = yaml.safe_load(cells[1].strip("`")) if cells[1] else ...
+    return rows
+
+
+def test_every_config_key_is_documented() -> None:
+    """Each key of ServingConfig (nested ones dotted) is a row of docs/serving.md with its default."""
+    docs = documented_defaults()
+    expected: dict[str, object] = {}
+    defaults = ServingConfig()
+    for name in ServingConfig.__struct_fields__:
+        value = getattr(defaults, name)
+        if isinstance(value, RetentionConfig):
+            expected[name] = ...
+            for sub in RetentionConfig.__struct_fields__:
+                expected[f"{name}.{sub}"] = getattr(value, sub)
+        else:
+            expected[name] = value
+    for sub in TLSConfig.__struct_fields__:
+        expected[f"nats_tls.{sub}"] = getattr(TLSConfig(), sub)
+    for sub in StreamConfig.__struct_fields__:
+        expected[f"client_streams.<stream>.{sub}"] = getattr(StreamConfig(), sub)
+    assert docs == expected

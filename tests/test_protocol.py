@@ -181,6 +181,19 @@ async def test_text_only_append_that_yields_no_item_is_400(ws: WS) -> None:
     await ws.send({"request_id": "txt", "append": {"text": "hello"}})
     m = await ws.final("txt")
     assert m.get("status") == 400 and "no text stream" in m["error"]
+    await ws.send({"request_id": "txt", "text": "hello"})  # an opening: refused the same way
+    m = await ws.until(is_error("txt"))
+    assert m["status"] == 400 and "no text stream" in m["error"]
+    await live_call(ws, "txt", samples(2000))
+    await ws.send({"request_id": "txt", "append": {}})  # neither text nor files nor end_input
+    m = await ws.final("txt")
+    assert m.get("status") == 400 and "needs text or files" in m["error"]
+
+
+async def test_unknown_model_is_400(ws: WS) -> None:
+    await ws.send({"request_id": "mdl", "model": "no_such_model"})
+    m = await ws.until(is_error("mdl"))
+    assert m["status"] == 400 and "unknown model 'no_such_model'" in m["error"]
 
 
 @pytest.mark.parametrize(
@@ -226,12 +239,14 @@ async def test_rejected_append_ends_the_call_with_no_finish(ws: WS) -> None:
 async def test_append_after_end_of_input_or_after_the_call_gets_the_append_error(ws: WS) -> None:
     x = samples(3000, seed=9)
     await live_call(ws, "after", x)
+    # Back to back: a socket's messages are handled in order, so both come after the end of
+    # input and (echo being quick) possibly before the finish.
     await ws.send({"request_id": "after", "end_input": True})
     await ws.send({"request_id": "after", "append": [pcm_file(samples(5000))]})
-    m = await ws.until(is_append_error("after"))
-    assert m["status"] == 409 and "input has ended" in m["error"]
     await ws.send({"request_id": "after", "end_input": ["audio_in"]})
-    assert (await ws.until(is_append_error("after")))["status"] == 409
+    for _ in range(2):
+        m = await ws.until(is_append_error("after"))
+        assert m["status"] == 409 and "input has ended" in m["error"], m
     final = await ws.final("after")  # the call went on, without the late append
     assert "finish" in final and echo_bytes(ws.outputs("after")) == padded(x)
     await ws.send({"request_id": "after", "append": [pcm_file(x)]})
@@ -370,6 +385,17 @@ async def test_message_over_max_message_mb(ws: WS) -> None:
     m = await ws.final("big2")
     assert m.get("status") == 400 and m["error"].startswith("max_message_mb:")
     await finish(ws, "keep2", x)  # the socket and its other calls went on
+
+
+async def test_frame_far_over_max_message_mb_closes_the_socket(stack: Stack) -> None:
+    """Past 2 x max_message_mb + 1 MiB the server does not read the frame: it closes the socket (1009)."""
+    import websockets
+
+    sock = await WS.connect(stack.ws_url())
+    await sock.send("x" * (int(2 * MAX_MESSAGE_MB * 1024 * 1024) + 1024 * 1024 + 1))
+    with pytest.raises(websockets.ConnectionClosed) as e:
+        await sock.recv(timeout=10)
+    assert e.value.rcvd is not None and e.value.rcvd.code == 1009
 
 
 # -- limits ----------------------------------------------------------------------

@@ -5,9 +5,11 @@ in JetStream, and a closed socket's calls free their slots."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import nats
 import numpy as np
 import pytest
@@ -124,6 +126,11 @@ async def test_one_shot_queues_in_a_bounded_fifo_with_its_input_in_jetstream(sta
     m = await ws.final("q3", timeout=5)
     assert m.get("status") == 503 and "max_queued_requests" in m["error"], m
     assert time.monotonic() - t < 1.0
+    async with httpx.AsyncClient(base_url=stack.http_url(), timeout=10) as client:  # POST: a line, not a status
+        r = await client.post("/generate", json={"files": [pcm_file(frames(1, 3))]})
+        assert r.status_code == 200
+        line = json.loads(r.text.splitlines()[-1])
+        assert line["status"] == 503 and "max_queued_requests" in line["error"] and line["request_id"] is None
     await ws.send({"request_id": "l3"})  # a live call is still refused at once
     assert (await ws.final("l3", timeout=5)).get("status") == 503
     assert not [m for m in ws.inbox if m.get("request_id") in ("q1", "q2")]  # nothing ran yet

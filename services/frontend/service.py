@@ -26,7 +26,15 @@ from duplexbus.services.frontend.calls import CallInput, InputState, Prepared
 from duplexbus.services.frontend.protocol import Append, EndInput, Opening
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.errors import CallTimeout, Conflict, DuplexError, Overloaded, ProtocolError
+from duplexbus.shared.errors import (
+    BadRequest,
+    CallTimeout,
+    ConfigError,
+    Conflict,
+    DuplexError,
+    Overloaded,
+    ProtocolError,
+)
 from duplexbus.shared.model import Model
 from duplexbus.shared.service import delete_quietly, every, heartbeat
 
@@ -71,7 +79,10 @@ class FrontendService:
         self.default_model = config.model
         # Load the served model and check the config's client_streams against it now, so a
         # bad bound stops the process at start-up with an error naming the key.
-        self.model(self.default_model)
+        try:
+            self.model(self.default_model)
+        except BadRequest as e:  # an unknown model name
+            raise ConfigError("model", e.message) from None
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
