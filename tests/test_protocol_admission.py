@@ -14,7 +14,9 @@ import nats
 import numpy as np
 import pytest
 
+from duplexbus.services.conductor import core
 from duplexbus.shared import subjects, wire
+from duplexbus.shared.config import parse_config
 from tests.helpers import WS, Stack, echo_bytes, pcm_file
 
 FRAME = 1280
@@ -171,3 +173,46 @@ async def test_closed_socket_aborts_its_calls_and_frees_their_slots(stack: Stack
     await end(other, "c1")
     await end(other, "c2")
     await other.close()
+
+
+def test_queued_one_shot_takes_a_freed_slot_before_the_next_heartbeat() -> None:
+    """The conductor's core alone: with workers exactly as big as the cap, a slot freed by a
+    finished call is usable at once, so the queued one-shot runs instead of getting a 503
+    while the workers' last heartbeats still say they are full."""
+    c = core.Conductor(parse_config({"max_concurrent_requests": 2, "max_queued_requests": 1}))
+
+    def hb(worker: str, partition: str, load: int) -> core.WorkerSeen:
+        return core.WorkerSeen(
+            wire.WorkerHeartbeat(
+                worker_id=worker,
+                model="echo",
+                partitions=[partition],
+                model_partitions=["Encoder", "Talker"],
+                capacity=2,
+                load=load,
+                ts=0.0,
+            )
+        )
+
+    def opened(cid: str, live: bool) -> core.Opened:
+        msg = wire.Open(
+            cid=cid, request_id=cid, model="echo", frontend_id="fe", open_streams=["audio_in"] if live else [], live=live
+        )
+        return core.Opened(msg, 0.0)
+
+    workers = [("w1", "Encoder"), ("w2", "Talker")]
+    for w, p in workers:
+        c.handle(hb(w, p, 0))
+    for cid in ("a", "b"):
+        for act in c.handle(opened(cid, live=True)):
+            assert not isinstance(act, core.PublishFin), act
+            if isinstance(act, core.SendAssign):
+                c.handle(core.AssignResult(cid, act.worker_id, tuple(act.msg.partitions), True))
+    for w, p in workers:
+        c.handle(hb(w, p, 2))  # each worker reports both calls: full
+    c.handle(opened("q", live=False))
+    assert c.calls["q"].state is core.CallState.QUEUED
+    c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0)))
+    actions = c.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w2", outputs=0)))
+    assert [a.msg.status for a in actions if isinstance(a, core.PublishFin)] == [200]  # a's finish, no 503 for q
+    assert sorted(a.worker_id for a in actions if isinstance(a, core.SendAssign)) == ["w1", "w2"]

@@ -355,6 +355,12 @@ class Conductor:
             worker = self.workers.get(w)
             if worker is not None and p not in call.acked and worker.reserved > 0:
                 worker.reserved -= 1
+        # The slot is free now, not at the worker's next heartbeat: a queued one-shot admitted
+        # into it must not find its worker still "full" (a worker counts one per call).
+        for w in {w for p, w in call.placement.items() if p in call.acked}:
+            worker = self.workers.get(w)
+            if worker is not None and worker.load > 0:
+                worker.load -= 1
         fin = wire.Fin(status=status, reason=reason, usage=call.usage, error=error, outputs=call.done)
         actions: list[Action] = [PublishFin(call.cid, fin, call.request_id), DeleteRecord(call.cid)]
         if not was_queued:
