@@ -50,8 +50,9 @@ def outputs_by_stream(ws: WS, rid: str) -> dict[str, list[dict[str, Any]]]:
 
 
 async def placed(ws: WS, rid: str) -> None:
-    """Until the call's first output: it runs on a worker. (Refusing an append before the
-    worker has the call leaves it stuck there: see the worker note in docs/clients.md.)"""
+    """Until the call's first output: it runs on a worker. (A call aborted before its worker
+    subscribed to it stays on that worker, which then takes 10 s to stop: the worker's
+    catch-up read covers the input subjects, not `abort`/`fin`.)"""
     first = await ws.until(lambda m: m.get("request_id") == rid and "output" in m)
     ws.inbox.insert(0, first)
 
