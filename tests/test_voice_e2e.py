@@ -192,9 +192,10 @@ async def test_two_turns_get_two_replies(stack: Stack, speech: dict[str, np.ndar
 
 async def test_talking_over_the_reply_barges_in(stack: Stack, speech: dict[str, np.ndarray]) -> None:
     a, b = speech["please call my mother tomorrow morning"], speech["what time is it"]
-    # The reply to `a` (about 2.7 s) starts about 0.6 s after it; `b` starts 1.5 s after it.
-    audio = audio_of(0.5, a, 1.5, b, 1.0)
-    onset_b = round(0.5 * SAMPLE_RATE) + len(a) + round(1.5 * SAMPLE_RATE) + speech_span(b)[0]
+    # The reply to `a` (about 2.8 s) starts about 1 s after it; `b` starts 2.5 s after it, so `b` cuts the
+    # reply whenever it starts within 2.5 s (later, `b` would have begun first and `a` would not be answered).
+    audio = audio_of(0.5, a, 2.5, b, 1.0)
+    onset_b = round(0.5 * SAMPLE_RATE) + len(a) + round(2.5 * SAMPLE_RATE) + speech_span(b)[0]
     c = await Client.connect(stack.ws_url())
     try:
         (t_onset,) = await c.stream("barge", audio, mark=[onset_b])
@@ -263,6 +264,7 @@ async def test_eight_concurrent_calls(stack: Stack, speech: dict[str, np.ndarray
         f"speak event p50 {percentile([x[0] for x in steps], 50) * 1000:.0f} ms, "
         f"final transcript p50 {percentile([x[1] for x in steps], 50) * 1000:.0f} ms"
     )
-    # Loose: a cold Recognizer builds a decoder (~0.5 s) per new concurrent call inside its step, and this
-    # 2-core machine runs other tests at the same time. bench/voice_latency.py measures the latency.
-    assert max(lat) < 15.0, lat
+    # Only a stall check: latency is bench/voice_latency.py's business. Here the 8 turns end within 0.8 s of
+    # each other, and the Recognizer (one decoder per call, no batching) builds a decoder (~0.5 s, more on a
+    # busy machine) inside its step for each call its pool lacks: 9-10 s at most measured on this 2-core machine.
+    assert max(lat) < 30.0, lat
