@@ -1,12 +1,13 @@
 """Batching benchmark of `tiny_duplex`: frames per second, batched against unbatched.
 
-For each number of concurrent calls N, opens N calls on one `Duplex` partition, gives
-them caches of different lengths (call i is prefilled with about (i + 1) * context / N
-frames, as if the calls had joined at different times), then times steps of one
-80 ms frame per call: `partition.step(batch)` (one forward pass for all N calls)
-against `partition.step_unbatched(batch)` (one forward pass per call). Each mode
-starts from the same prefilled caches. Reports the median of `--runs` timed runs
-after `--warmup` untimed ones.
+For each number of concurrent calls N and each mode, opens N calls on one `Duplex`
+partition and gives them caches of different lengths (call i is prefilled with about
+(i + 1) * context / N frames, as if the calls had joined at different times), then
+times steps of one 80 ms PCM16 frame per call: `partition.step(batch)` (one forward
+pass for all N calls) against `partition.step_unbatched(batch)` (one forward pass per
+call). Both modes start from the same caches (each on its own calls and slots) and
+their timed runs alternate, so a load spike hits both. Reports the median of `--runs`
+timed runs after `--warmup` untimed ones.
 
     .venv/bin/python bench/batching.py                      # cuda if available, else cpu
     .venv/bin/python bench/batching.py --device cpu --json results.json
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=None, help="longest prefilled cache (default: the window)")
     ap.add_argument("--modes", default="batched,unbatched")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results here")
     return ap.parse_args(argv)
 
@@ -61,8 +63,9 @@ def prefill_lengths(n: int, context: int) -> list[int]:
     return [max(1, round((i + 1) * context / n)) for i in range(n)]
 
 
-def open_calls(p: TinyDuplexPartition, n: int, context: int, rng: np.random.Generator) -> list[str]:
-    cids = [f"call-{i:03d}" for i in range(n)]
+def open_calls(p: TinyDuplexPartition, prefix: str, n: int, context: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)  # the same caches for every mode
+    cids = [f"{prefix}-{i:03d}" for i in range(n)]
     for cid, length in zip(cids, prefill_lengths(n, context), strict=True):
         p.open_call(CallInfo(cid))
         p.prefill(cid, rng.uniform(-0.5, 0.5, (length, FRAME)).astype(np.float32))
@@ -78,34 +81,44 @@ def make_batches(cids: list[str], steps: int, rng: np.random.Generator) -> list[
     return batches
 
 
-def bench_mode(p: TinyDuplexPartition, n: int, mode: str, args: argparse.Namespace, context: int) -> dict[str, Any]:
-    rng = np.random.default_rng(args.seed)
-    cids = open_calls(p, n, context, rng)
-    step = p.step if mode == "batched" else p.step_unbatched
-    times = []
+def bench_calls(p: TinyDuplexPartition, n: int, modes: list[str], args: argparse.Namespace, context: int) -> list[dict]:
+    """Time `modes` at n calls. Each mode has its own n calls (own slots, same prefilled
+    caches) and the modes' timed runs alternate, so a load spike on the machine hits
+    them alike."""
+    rng = np.random.default_rng(args.seed + 1)
+    calls = {mode: open_calls(p, mode, n, context, args.seed) for mode in modes}
+    steps = {"batched": p.step, "unbatched": p.step_unbatched}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     for run in range(args.warmup + args.runs):
-        batches = make_batches(cids, args.steps, rng)
-        sync(args.device)
-        t0 = time.perf_counter()
-        for batch in batches:
-            out = step(batch)
-            assert len(out) == n
-        sync(args.device)
-        if run >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    for cid in cids:
-        p.close_call(cid)
-    fps = [n * args.steps / t for t in times]
-    med = statistics.median(fps)
-    return {
-        "calls": n,
-        "mode": mode,
-        "frames_per_s": med,
-        "frames_per_s_runs": fps,
-        "ms_per_step": 1000 * n / med,
-        "x_real_time": med / (n * FRAMES_PER_SECOND_PER_CALL),
-        "prefill_lengths": [min(prefill_lengths(n, context)), max(prefill_lengths(n, context))],
-    }
+        for mode in modes:
+            batches = make_batches(calls[mode], args.steps, rng)
+            sync(args.device)
+            t0 = time.perf_counter()
+            for batch in batches:
+                out = steps[mode](batch)
+                assert len(out) == n
+            sync(args.device)
+            if run >= args.warmup:
+                times[mode].append(time.perf_counter() - t0)
+    for cids in calls.values():
+        for cid in cids:
+            p.close_call(cid)
+    results = []
+    for mode in modes:
+        fps = [n * args.steps / t for t in times[mode]]
+        med = statistics.median(fps)
+        results.append(
+            {
+                "calls": n,
+                "mode": mode,
+                "frames_per_s": med,
+                "frames_per_s_runs": fps,
+                "ms_per_step": 1000 * n / med,
+                "x_real_time": med / (n * FRAMES_PER_SECOND_PER_CALL),
+                "prefill_lengths": [min(prefill_lengths(n, context)), max(prefill_lengths(n, context))],
+            }
+        )
+    return results
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -116,7 +129,7 @@ def machine(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],
-        "load_avg_1_5_15": os.getloadavg(),
+        "load_avg_before": os.getloadavg(),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
@@ -149,6 +162,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     calls = [int(c) for c in args.calls.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
     if not set(modes) <= {"batched", "unbatched"}:
@@ -156,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     context = args.context or args.window
     if not 1 <= context <= 100_000:
         raise SystemExit("--context must be >= 1")
-    model = TinyDuplexModel(device=args.device, dtype=args.dtype, window=args.window, max_calls=max(calls), seed=0)
+    model = TinyDuplexModel(device=args.device, dtype=args.dtype, window=args.window, max_calls=len(modes) * max(calls), seed=0)
     p = model.create_partition("Duplex")
     assert isinstance(p, TinyDuplexPartition)
     cfg = model.config
@@ -166,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         f"caches prefilled up to {context}; {args.steps} steps x {args.runs} runs after {args.warmup} warm-up",
         flush=True,
     )
+    info = machine(p.device)
     results = []
     for n in calls:
-        for mode in modes:
-            r = bench_mode(p, n, mode, args, context)
+        for r in bench_calls(p, n, modes, args, context):
             results.append(r)
+            mode = r["mode"]
             print(
                 f"  {n:>3} calls {mode:>9}: {r['frames_per_s']:>9,.0f} frames/s  {r['ms_per_step']:7.1f} ms/step",
                 flush=True,
@@ -183,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([".venv/bin/python", "bench/batching.py", *(sys.argv[1:] if argv is None else argv)]),
             "device": p.device,
             "dtype": args.dtype,
-            "machine": machine(p.device),
+            "machine": info,
             "config": {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "window", "max_calls")},
             "context": context,
             "steps": args.steps,
             "runs": args.runs,
             "warmup": args.warmup,
             "results": results,
+            "load_avg_after": os.getloadavg(),
         }
         with open(args.json_path, "w") as f:
             json.dump(doc, f, indent=2)
