@@ -89,9 +89,7 @@ def test_finish_when_every_partition_is_done() -> None:
     assert not fins(first)
     again = c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0, usage={})))
     assert again == []  # a redelivered done changes nothing
-    last = c.handle(
-        core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=5, usage={"frames": 5}))
-    )
+    last = c.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=5, usage={"frames": 5})))
     f = fins(last)[0]
     assert (f.status, f.reason, f.usage, f.outputs) == (200, "completed", {"frames": 5}, {"Encoder": 0, "Talker": 5})
     assert any(isinstance(a, core.DeleteRecord) for a in last) and "a" not in c.calls
@@ -174,3 +172,33 @@ def test_transitions_are_guarded() -> None:
         assert "finished -> running" in str(e)
     else:
         raise AssertionError("a finished call moved on")
+
+
+def test_a_call_takes_one_slot_per_worker_not_per_partition() -> None:
+    c = conductor(max_concurrent_requests=10)
+    c.handle(hb("w1", PARTS, capacity=2))
+    assert assigns(c.handle(opened("a"))) == {"w1": PARTS}
+    assert assigns(c.handle(opened("b"))) == {"w1": PARTS}  # a burst, before any heartbeat
+    assert fins(c.handle(opened("c")))[0].status == 503  # now full: two calls
+    c.handle(core.AbortRequested("a", "done", 499))
+    assert assigns(c.handle(opened("d"))) == {"w1": PARTS}  # freed at once
+
+
+def test_a_failed_placement_gives_its_slots_back() -> None:
+    c = conductor(max_concurrent_requests=10)
+    c.handle(hb("enc", ["Encoder"], capacity=1))
+    c.handle(hb("tal", ["Talker"], capacity=1, load=1))  # full
+    assert fins(c.handle(opened("a")))[0].status == 503
+    assert c.workers["enc"].free == 1
+
+
+def test_a_queued_one_shot_does_not_wait_forever() -> None:
+    c = conductor(max_call_duration_s=30)
+    c.handle(hb("w1", PARTS))
+    for cid in ("a", "b"):
+        ack_all(c, cid, c.handle(opened(cid, now=0.0)))
+    c.handle(opened("q", live=False, now=10.0))
+    assert "q" in c.queue
+    acts = c.handle(core.Tick(41.0))
+    assert {a.cid: a.msg.status for a in acts if isinstance(a, core.PublishFin)}["q"] == 408
+    assert "q" not in c.queue

@@ -92,9 +92,7 @@ class Tick:
     now: float
 
 
-Event = (
-    Opened | InputEnded | PartitionDone | AbortRequested | AssignResult | WorkerSeen | WorkerLost | FrontendLost | Tick
-)
+Event = Opened | InputEnded | PartitionDone | AbortRequested | AssignResult | WorkerSeen | WorkerLost | FrontendLost | Tick
 
 
 # -- actions -----------------------------------------------------------------
@@ -137,11 +135,12 @@ class Worker:
     partitions: list[str]
     capacity: int
     load: int  # as last reported
-    reserved: int = 0  # assignments since that report
+    calls: set[str] = field(default_factory=set)  # placed here by this conductor (one slot per call)
 
     @property
     def free(self) -> int:
-        return self.capacity - self.load - self.reserved
+        # The report lags placements; our own count lags nothing we placed.
+        return self.capacity - max(self.load, len(self.calls))
 
 
 @dataclass
@@ -267,17 +266,21 @@ class Conductor:
         if not wanted:
             return self._wait(call, now)
         chosen: dict[str, str] = {}
+        taken: list[Worker] = []  # slots taken in this round, given back if the round fails
         for p in wanted:
             serving = [w for w in self.workers.values() if w.model == call.model and p in w.partitions]
-            candidates = [w for w in serving if w.free > 0]
-            if not serving:
-                for w in chosen.values():
-                    self.workers[w].reserved -= 1
-                return self._wait(call, now)
-            if not candidates:
+            # A worker already running another partition of this call needs no second slot.
+            candidates = [w for w in serving if call.cid in w.calls or w.free > 0]
+            if not serving or not candidates:
+                for t in taken:
+                    t.calls.discard(call.cid)
+                if not serving:
+                    return self._wait(call, now)
                 return self._finish(call, 503, "overloaded", f"no worker can take partition {p!r} of {call.model!r}")
-            best = max(candidates, key=lambda w: (w.free, w.worker_id))
-            best.reserved += 1
+            best = max(candidates, key=lambda w: (call.cid in w.calls, w.free, w.worker_id))
+            if call.cid not in best.calls:
+                best.calls.add(call.cid)
+                taken.append(best)
             chosen[p] = best.worker_id
         if call.state is not CallState.PLACING:
             call.move(CallState.PLACING)
@@ -289,9 +292,7 @@ class Conductor:
         actions: list[Action] = [SaveRecord(call.record())]
         for w, parts in by_worker.items():
             actions.append(
-                SendAssign(
-                    w, wire.Assign(cid=call.cid, model=call.model, partitions=parts, model_kwargs=call.model_kwargs)
-                )
+                SendAssign(w, wire.Assign(cid=call.cid, model=call.model, partitions=parts, model_kwargs=call.model_kwargs))
             )
         return actions
 
@@ -306,9 +307,7 @@ class Conductor:
         if call is None or call.state is CallState.FINISHED:
             return []
         if not ev.ok:
-            return self._abort(
-                call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True
-            )
+            return self._abort(call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True)
         call.acked.update(p for p in ev.partitions if call.placement.get(p) == ev.worker_id)
         if call.state is CallState.PLACING and call.acked >= set(call.partitions):
             call.move(CallState.INPUT_ENDED if not call.open_streams else CallState.RUNNING)
@@ -351,15 +350,14 @@ class Conductor:
         del self.calls[call.cid]
         if was_queued:
             self.queue.remove(call.cid)
-        for p, w in call.placement.items():
-            worker = self.workers.get(w)
-            if worker is not None and p not in call.acked and worker.reserved > 0:
-                worker.reserved -= 1
         # The slot is free now, not at the worker's next heartbeat: a queued one-shot admitted
         # into it must not find its worker still "full" (a worker counts one per call).
-        for w in {w for p, w in call.placement.items() if p in call.acked}:
+        for w in set(call.placement.values()):
             worker = self.workers.get(w)
-            if worker is not None and worker.load > 0:
+            if worker is None or call.cid not in worker.calls:
+                continue
+            worker.calls.discard(call.cid)
+            if any(call.placement[p] == w for p in call.acked) and worker.load > 0:
                 worker.load -= 1
         fin = wire.Fin(status=status, reason=reason, usage=call.usage, error=error, outputs=call.done)
         actions: list[Action] = [PublishFin(call.cid, fin, call.request_id), DeleteRecord(call.cid)]
@@ -382,9 +380,10 @@ class Conductor:
         self.partitions_of[hb.model] = list(hb.model_partitions)
         w = self.workers.get(hb.worker_id)
         if w is None:
-            self.workers[hb.worker_id] = Worker(hb.worker_id, hb.model, list(hb.partitions), hb.capacity, hb.load)
+            placed = {c.cid for c in self.calls.values() if hb.worker_id in c.placement.values()}  # after a restore
+            self.workers[hb.worker_id] = Worker(hb.worker_id, hb.model, list(hb.partitions), hb.capacity, hb.load, placed)
             return self._retry_waiting() + self._admit_queued()
-        w.capacity, w.load, w.reserved = hb.capacity, hb.load, 0
+        w.capacity, w.load = hb.capacity, hb.load
         return self._admit_queued()
 
     def _retry_waiting(self) -> list[Action]:
@@ -413,10 +412,8 @@ class Conductor:
             if call.state is CallState.WAITING and now - call.waiting_since > wait:
                 msg = f"no worker serves {call.model!r} (waited {wait:g}s, placement_timeout_s)"
                 actions.extend(self._abort(call.cid, msg, 503, notify_workers=True))
-            elif call.state is not CallState.QUEUED and now - call.created > limit:
-                actions.extend(
-                    self._abort(call.cid, f"max_call_duration_s ({limit:g}s) exceeded", 408, notify_workers=True)
-                )
+            elif now - call.created > limit:  # queued one-shots too: a queue wait is not forever
+                actions.extend(self._abort(call.cid, f"max_call_duration_s ({limit:g}s) exceeded", 408, notify_workers=True))
         return actions
 
     # -- recovery ------------------------------------------------------------

@@ -81,6 +81,7 @@ class WorkerService:
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self._accepting = True
+        self._cleanups: set[asyncio.Task[None]] = set()
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
     @property
@@ -173,7 +174,8 @@ class WorkerService:
         """Read what the stream holds for the call's input subjects from the start."""
         assert self.js is not None
         cfg = ConsumerConfig(
-            filter_subjects=[f"call.{cid}.*.{e}" for e in edges],
+            # abort and fin too: a call that ended before we subscribed must not hold a slot forever
+            filter_subjects=[f"call.{cid}.*.{e}" for e in edges] + [subjects.abort(cid), subjects.fin(cid)],
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.NONE,
             inactive_threshold=30.0,
@@ -192,6 +194,9 @@ class WorkerService:
                 except (TimeoutError, NatsTimeout):
                     break
                 for m in msgs:
+                    if subjects.parse(m.subject).kind in (subjects.ABORT, subjects.FIN):
+                        await self._forget(cid)
+                        break
                     await self._handle_data(m, live=False)
                     pending = m.metadata.num_pending
             await sub.unsubscribe()
@@ -269,10 +274,17 @@ class WorkerService:
             r = self.runners[p]
             async with r.lock:
                 r.engine.drop_call(cid)
-        await self._unsubscribe(call)
+        self._unsubscribe_later(call)
+
+    def _unsubscribe_later(self, call: _Assigned) -> None:
+        """In a task of its own: this often runs inside one of the call's own subscription
+        callbacks, and nats-py cancels a subscription's callback when it unsubscribes."""
+        task = asyncio.get_running_loop().create_task(self._unsubscribe(call))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def _unsubscribe(self, call: _Assigned) -> None:
-        if call.catchup is not None and not call.catchup.done():
+        if call.catchup is not None and not call.catchup.done() and call.catchup is not asyncio.current_task():
             call.catchup.cancel()
         for sub in call.subs:
             with contextlib.suppress(Exception):
@@ -347,7 +359,7 @@ class WorkerService:
             return
         if all(cid not in self.runners[p].engine for p in call.partitions):
             self.calls.pop(cid, None)
-            await self._unsubscribe(call)
+            self._unsubscribe_later(call)
 
 
 def _msg_id(cid: str, kind: str, edge: str, seq: int) -> dict[str, str]:
