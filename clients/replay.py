@@ -52,9 +52,11 @@ def summarize(msg: wire.AnyMsg) -> dict[str, Any]:
         if isinstance(item, dict) and isinstance(item.get("data"), dict):
             t = item["data"]
             item["data"] = {"dtype": t["dtype"], "shape": t["shape"]}
-    data = d.get("data")
-    if isinstance(data, dict) and isinstance(data.get("audio"), str):
-        data["audio"] = f"<{len(data['audio'])} b64 chars>"
+    if isinstance(msg, wire.OutputMsg):
+        data = json.loads(msg.json)
+        if isinstance(data.get("audio"), str):
+            data["audio"] = f"<{len(data['audio'])} b64 chars>"
+        d["json"] = data
     return d
 
 

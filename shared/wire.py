@@ -87,11 +87,14 @@ class EdgeEnd(Msg, tag="edge_end"):
 
 
 class OutputMsg(Msg, tag="out"):
-    """call.{cid}.out: one output event; `seq` counts per partition."""
+    """call.{cid}.out: one output event; `seq` counts per partition.
+
+    The event is JSON already: the frontend relays it to the client without decoding it.
+    """
 
     partition: str
     seq: int
-    data: dict[str, Any]
+    json: bytes
 
 
 class Done(Msg, tag="done"):

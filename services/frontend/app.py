@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -28,7 +26,7 @@ from duplexbus.services.frontend.protocol import (
     parse_message,
     valid_request_id,
 )
-from duplexbus.services.frontend.service import Call, FrontendService
+from duplexbus.services.frontend.service import Call, ClientMessage, FrontendService, to_json
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import Conflict, DuplexError, LimitExceeded, ProtocolError
 
@@ -46,10 +44,10 @@ class SocketSession:
         self.ws = ws
         self.service = service
         self.calls: dict[str, Call] = {}
-        self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(SEND_QUEUE)
+        self.queue: asyncio.Queue[ClientMessage | None] = asyncio.Queue(SEND_QUEUE)
         self.overflowed = False
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: ClientMessage) -> None:
         try:
             self.queue.put_nowait(msg)
         except asyncio.QueueFull:
@@ -61,7 +59,7 @@ class SocketSession:
             msg = await self.queue.get()
             if msg is None or self.overflowed:
                 return
-            await self.ws.send_text(json.dumps(msg, separators=(",", ":")))
+            await self.ws.send_text(to_json(msg))
 
     def live(self, rid: str | None) -> Call | None:
         call = self.calls.get(rid) if rid is not None else None
@@ -205,12 +203,12 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         if not isinstance(msg, Opening):
             err = ProtocolError("POST /generate takes an opening (no append, end_input alone or abort)")
             return JSONResponse({"request_id": msg.request_id, "error": err.message, "status": 400}, status_code=400)
-        buf: deque[dict[str, Any]] = deque()
+        buf: deque[ClientMessage] = deque()
         more = asyncio.Event()
         opened: list[Call] = []
         overflowed = False
 
-        def sink(m: dict[str, Any]) -> None:
+        def sink(m: ClientMessage) -> None:
             nonlocal overflowed
             if overflowed:
                 return
@@ -238,8 +236,8 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
                         more.clear()
                         await more.wait()
                     m = buf.popleft()
-                    yield (json.dumps(m, separators=(",", ":")) + "\n").encode()
-                    if "finish" in m or ("error" in m and "append" not in m):
+                    yield (to_json(m) + "\n").encode()
+                    if isinstance(m, dict) and ("finish" in m or ("error" in m and "append" not in m)):
                         return
             finally:
                 if not call.ended.is_set():

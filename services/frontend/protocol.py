@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
+
 from duplexbus.shared.errors import BadRequest, LimitExceeded, ProtocolError
 from duplexbus.shared.model import ClientFile, ClientInput
+
+_json_decode = msgspec.json.Decoder().decode
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REQUEST_ID_RULE = "request_id must be 1-64 characters of [A-Za-z0-9_-]"
@@ -100,8 +103,8 @@ def parse_message(text: str | bytes, max_bytes: int | None = None, one_shot: boo
         size > max_bytes or (isinstance(text, str) and 4 * size > max_bytes and len(text.encode()) > max_bytes)
     )
     try:
-        raw = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = _json_decode(text)  # msgspec's decoder: the hot path parses every append
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         if too_big:
             return ParseError(_too_big(text, max_bytes))
         return ParseError(ProtocolError(f"not JSON: {e}"))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -40,8 +41,16 @@ from duplexbus.shared.service import delete_quietly, every, heartbeat
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[dict[str, Any]], None]
+ClientMessage = dict[str, Any] | str
+"""A server -> client message: a dict, or one already serialized to JSON (relayed outputs)."""
+
+Sink = Callable[[ClientMessage], None]
 """Takes one server -> client message; never blocks (bounded, see app.SocketSession)."""
+
+
+def to_json(msg: ClientMessage) -> str:
+    return msg if isinstance(msg, str) else msgspec.json.encode(msg).decode()
+
 
 OUTPUT_GRACE_S = 2.0  # after a fin, how long to wait for outputs still in flight
 
@@ -57,12 +66,20 @@ class Call:
     live: bool
     subs: list[Subscription] = field(default_factory=list)
     next_out: dict[str, int] = field(default_factory=dict)  # partition -> next seq to relay
-    held: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # arrived ahead of a gap
+    held: dict[tuple[str, int], bytes] = field(default_factory=dict)  # arrived ahead of a gap
     fin: wire.Fin | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
+    _output_prefix: str | None = None
+
     def reply(self, body: dict[str, Any]) -> None:
         self.sink({"request_id": self.request_id, **body})
+
+    def relay_output(self, event_json: bytes) -> None:
+        """`{"request_id": ..., "output": EVENT}` spliced as text: the event is never decoded here."""
+        if self._output_prefix is None:
+            self._output_prefix = '{"request_id":' + msgspec.json.encode(self.request_id).decode() + ',"output":'
+        self.sink(self._output_prefix + event_json.decode() + "}")
 
 
 class FrontendService:
@@ -284,12 +301,12 @@ class FrontendService:
             return  # a replay after a worker was replaced
         if o.seq > nxt:
             if len(call.held) < 10_000:
-                call.held[(o.partition, o.seq)] = o.data
+                call.held[(o.partition, o.seq)] = o.json
             return
-        call.reply({"output": o.data})
+        call.relay_output(o.json)
         nxt += 1
         while (o.partition, nxt) in call.held:
-            call.reply({"output": call.held.pop((o.partition, nxt))})
+            call.relay_output(call.held.pop((o.partition, nxt)))
             nxt += 1
         call.next_out[o.partition] = nxt
         if call.fin is not None and self._all_outputs(call):

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -328,7 +329,7 @@ class WorkerService:
         nc = self.nc
         for a in actions:
             if isinstance(a, eng.PublishOutput):
-                body = wire.encode(wire.OutputMsg(partition=partition, seq=a.seq, data=a.data))
+                body = wire.encode(wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data)))
                 await nc.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
