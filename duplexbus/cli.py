@@ -53,7 +53,16 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     port = args.port or cfg.port
     app = create_app(cfg)
     ws_max = int(cfg.max_message_mb * 1024 * 1024 * 2) + 1024 * 1024  # the app answers oversize messages itself
-    uvicorn.run(app, host=host, port=port, ws_max_size=ws_max, log_level="warning", lifespan="on", ws_ping_interval=20)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        ws_max_size=ws_max,
+        ws_per_message_deflate=False,  # compressing base64 audio costs CPU and saves little
+        log_level="warning",
+        lifespan="on",
+        ws_ping_interval=20,
+    )
     return 0
 
 
