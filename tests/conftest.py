@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from duplexbus.shared.embedded import NatsServer
+from tests.helpers import WS, Stack
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +19,11 @@ def nats_url() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="duplexbus-nats-") as d:
         with NatsServer(d) as server:
             yield server.url
+
+
+@pytest.fixture
+async def ws(stack: Stack) -> AsyncIterator[WS]:
+    """A client socket on the first frontend of the module's `stack` fixture."""
+    sock = await WS.connect(stack.ws_url(0))
+    yield sock
+    await sock.close()

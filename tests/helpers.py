@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -182,14 +183,30 @@ class Stack:
         return f"http://127.0.0.1:{self.ports[i]}"
 
     def stop(self) -> None:
-        order = sorted(
-            self.procs.values(), key=lambda p: (not p.name.startswith("frontend"), p.name.startswith("conductor"))
-        )
+        order = sorted(self.procs.values(), key=lambda p: (not p.name.startswith("frontend"), p.name.startswith("conductor")))
         for p in order:
             p.stop()
 
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.tail()}" for p in self.procs.values())
+
+
+@contextlib.asynccontextmanager
+async def running_stack(
+    nats_url: str,
+    config: dict[str, Any],
+    workers: list[list[str] | None] | None = None,
+    frontends: int = 1,
+    cls: type[Stack] = Stack,
+) -> AsyncIterator[Stack]:
+    """A started stack (one worker with every partition by default), stopped afterwards."""
+    s = cls(nats_url, config)
+    try:
+        await s.start(workers=workers, frontends=frontends)
+        await s.wait_workers(len(workers) if workers is not None else 1)
+        yield s
+    finally:
+        s.stop()
 
 
 def _ready_pid(url: str) -> int | None:

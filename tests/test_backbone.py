@@ -14,7 +14,7 @@ import pytest
 
 from duplexbus.shared import subjects
 from duplexbus.shared.audio import encode_wav
-from tests.helpers import WS, Stack, echo_bytes, pcm_file
+from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
 
 FRAME = 1280
 
@@ -29,11 +29,8 @@ def padded(samples: np.ndarray) -> bytes:
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
     # Each partition in its own worker process, so the inter-partition edge crosses the bus.
-    s = Stack(nats_url, {"model": "echo"})
-    await s.start(workers=[["Encoder"], ["Talker"]])
-    await s.wait_workers(2)
-    yield s
-    s.stop()
+    async with running_stack(nats_url, {"model": "echo"}, workers=[["Encoder"], ["Talker"]]) as s:
+        yield s
 
 
 async def run_call(ws: WS, rid: str, samples: np.ndarray, sizes: list[int]) -> list[dict]:

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.helpers import WS, Stack, echo_bytes, pcm, pcm_file
+from tests.helpers import WS, Stack, echo_bytes, pcm, pcm_file, running_stack
 
 FRAME = 1280
 MAX_MESSAGE_MB = 0.5
@@ -26,18 +26,8 @@ CONFIG = {"model": "echo", "max_message_mb": MAX_MESSAGE_MB, "max_call_input_mb"
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    s = Stack(nats_url, CONFIG)
-    await s.start(workers=[None], frontends=2)
-    await s.wait_workers(1)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-async def ws(stack: Stack) -> AsyncIterator[WS]:
-    sock = await WS.connect(stack.ws_url(0))
-    yield sock
-    await sock.close()
+    async with running_stack(nats_url, CONFIG, frontends=2) as s:
+        yield s
 
 
 def samples(n: int, seed: int = 0) -> np.ndarray:

@@ -17,7 +17,7 @@ import pytest
 from duplexbus.services.conductor import core
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.config import parse_config
-from tests.helpers import WS, Stack, echo_bytes, pcm_file
+from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
 
 FRAME = 1280
 CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}
@@ -25,11 +25,8 @@ CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    s = Stack(nats_url, CONFIG)
-    await s.start(workers=[None])
-    await s.wait_workers(1)
-    yield s
-    s.stop()
+    async with running_stack(nats_url, CONFIG) as s:
+        yield s
 
 
 async def call_records(nats_url: str) -> dict[str, wire.CallRecord]:

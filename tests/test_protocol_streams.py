@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers import WS, pcm_file
+from tests.helpers import WS, pcm_file, running_stack
 from tests.protocol_model import AUDIO_FRAME, AUX_FRAME, AUX_MAX, TEXT_MAX, DuoStack
 
 AUDIO_MAX_LOWERED = 8  # the config lowers audio_in's bound of 100
@@ -24,18 +24,9 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[DuoStack]:
-    s = DuoStack(nats_url, CONFIG)
-    await s.start(workers=[None])
-    await s.wait_workers(1)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-async def ws(stack: DuoStack) -> AsyncIterator[WS]:
-    sock = await WS.connect(stack.ws_url())
-    yield sock
-    await sock.close()
+    async with running_stack(nats_url, CONFIG, cls=DuoStack) as s:
+        assert isinstance(s, DuoStack)
+        yield s
 
 
 def ones(n: int) -> np.ndarray:

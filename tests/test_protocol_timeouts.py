@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from tests.helpers import WS, Stack, pcm_file
+from tests.helpers import WS, Stack, pcm_file, running_stack
 
 REQUEST_TIMEOUT_S = 1.0
 MAX_CALL_DURATION_S = 3.5
@@ -19,18 +19,8 @@ CONFIG = {"model": "echo", "request_timeout_s": REQUEST_TIMEOUT_S, "max_call_dur
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    s = Stack(nats_url, CONFIG)
-    await s.start(workers=[None])
-    await s.wait_workers(1)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-async def ws(stack: Stack) -> AsyncIterator[WS]:
-    sock = await WS.connect(stack.ws_url())
-    yield sock
-    await sock.close()
+    async with running_stack(nats_url, CONFIG) as s:
+        yield s
 
 
 def audio(n: int = 640) -> dict[str, str]:
