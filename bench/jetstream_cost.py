@@ -21,6 +21,7 @@ import json
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -69,28 +70,43 @@ async def fill(nc: nats.NATS, calls: int, items: int) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-async def pattern_a(nc: nats.NATS, cids: list[str], items: int) -> dict[str, float]:
-    """Core subscription per call + one catch-up read per call."""
+Subscribe = Callable[[nats.NATS, str, Callable[[Any], Awaitable[None]]], Awaitable[Any]]
+
+
+async def core_sub_and_catch_up(nc: nats.NATS, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+    """A (chosen): core subscription per call, plus one catch-up read (an ephemeral consumer)."""
+    sub = await nc.subscribe(f"call.{cid}.*.audio_in", cb=cb)
+    await nc.flush()
     js = nc.jetstream()
-    got = {cid: 0 for cid in cids}
-    done = asyncio.Event()
+    cfg = ConsumerConfig(filter_subjects=[f"call.{cid}.*.audio_in"], deliver_policy=DeliverPolicy.ALL,
+                         ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)  # fmt: skip
+    info = await js.add_consumer(subjects.STREAM, cfg)
+    await js.delete_consumer(subjects.STREAM, info.name)  # nothing stored yet: the read ends at once
+    return sub
+
+
+async def ordered_consumer(nc: nats.NATS, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+    """B (alternative): one ordered push consumer per call; every read through JetStream."""
+    return await nc.jetstream().subscribe(f"call.{cid}.in.audio_in", cb=cb, ordered_consumer=True, stream=subjects.STREAM)
+
+
+async def measure(nc: nats.NATS, cids: list[str], items: int, subscribe: Subscribe) -> dict[str, float]:
+    """Set-up time per call, then the receive rate while every call gets `items` items."""
     total = len(cids) * items
+    received = 0
+    done = asyncio.Event()
 
     async def cb(m: Any) -> None:
-        got[subjects.parse(m.subject).cid] += 1
-        if sum(got.values()) >= total:
+        nonlocal received
+        received += 1
+        if received >= total:
             done.set()
 
     setup: list[float] = []
     subs = []
     for cid in cids:
         t = time.perf_counter()
-        subs.append(await nc.subscribe(f"call.{cid}.*.audio_in", cb=cb))
-        await nc.flush()
-        cfg = ConsumerConfig(filter_subjects=[f"call.{cid}.*.audio_in"], deliver_policy=DeliverPolicy.ALL,
-                             ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)  # fmt: skip
-        info = await js.add_consumer(subjects.STREAM, cfg)
-        await js.delete_consumer(subjects.STREAM, info.name)  # nothing stored yet: read ends at once
+        subs.append(await subscribe(nc, cid, cb))
         setup.append(time.perf_counter() - t)
     t0 = time.perf_counter()
     await publish_all(nc, cids, items)
@@ -98,34 +114,8 @@ async def pattern_a(nc: nats.NATS, cids: list[str], items: int) -> dict[str, flo
     rate = total / (time.perf_counter() - t0)
     for s in subs:
         await s.unsubscribe()
-    return {"setup_p50_ms": percentile(setup, 50) * 1000, "setup_p99_ms": percentile(setup, 99) * 1000, "msgs_per_s": rate}  # type: ignore[operator]
-
-
-async def pattern_b(nc: nats.NATS, cids: list[str], items: int) -> dict[str, float]:
-    """One ordered push consumer per call: every read through JetStream."""
-    js = nc.jetstream()
-    got = {cid: 0 for cid in cids}
-    done = asyncio.Event()
-    total = len(cids) * items
-
-    async def cb(m: Any) -> None:
-        got[subjects.parse(m.subject).cid] += 1
-        if sum(got.values()) >= total:
-            done.set()
-
-    setup: list[float] = []
-    subs = []
-    for cid in cids:
-        t = time.perf_counter()
-        subs.append(await js.subscribe(f"call.{cid}.in.audio_in", cb=cb, ordered_consumer=True, stream=subjects.STREAM))
-        setup.append(time.perf_counter() - t)
-    t0 = time.perf_counter()
-    await publish_all(nc, cids, items)
-    await asyncio.wait_for(done.wait(), 120)
-    rate = total / (time.perf_counter() - t0)
-    for s in subs:
-        await s.unsubscribe()
-    return {"setup_p50_ms": percentile(setup, 50) * 1000, "setup_p99_ms": percentile(setup, 99) * 1000, "msgs_per_s": rate}  # type: ignore[operator]
+    p50, p99 = percentile(setup, 50) or 0.0, percentile(setup, 99) or 0.0
+    return {"setup_p50_ms": p50 * 1000, "setup_p99_ms": p99 * 1000, "msgs_per_s": rate}
 
 
 async def publish_all(nc: nats.NATS, cids: list[str], items: int) -> None:
@@ -166,16 +156,16 @@ async def main() -> None:
         print(f"fill: {args.calls} finished calls, {n} messages, {n / secs:,.0f} msgs/s published and stored")
         print(f"stream: {info.state.bytes / 2**20:.1f} MiB; server memory {mem0 / 2**20:.1f} -> {mem1 / 2**20:.1f} MiB")
         print()
-        print(
-            f"| read pattern ({args.live} live calls x {args.live_items} items) | set-up p50 ms | set-up p99 ms | receive rate msgs/s |"
-        )
+        head = f"| read pattern ({args.live} live calls x {args.live_items} items)"
+        print(head + " | set-up p50 ms | set-up p99 ms | receive rate msgs/s |")
         print("|---|---|---|---|")
-        for name, fn in (
-            ("A: core subscription + catch-up read (chosen)", pattern_a),
-            ("B: ordered consumer per call", pattern_b),
-        ):
+        patterns: list[tuple[str, Subscribe]] = [
+            ("A: core subscription + catch-up read (chosen)", core_sub_and_catch_up),
+            ("B: ordered consumer per call", ordered_consumer),
+        ]
+        for name, fn in patterns:
             cids = [f"{i:012x}{name[0].lower()}live" for i in range(args.live)]
-            r = await fn(nc, cids, args.live_items)
+            r = await measure(nc, cids, args.live_items, fn)
             res[name[0]] = r
             print(f"| {name} | {r['setup_p50_ms']:.2f} | {r['setup_p99_ms']:.2f} | {r['msgs_per_s']:,.0f} |", flush=True)
         res["server_mem_end_mb"] = varz(server)["mem"] / 2**20
