@@ -282,9 +282,7 @@ class TinyNet:
         kvs = []
         for layer in self.layers:
             h = F.layer_norm(x, (d,), layer.ln1_w, layer.ln1_b)
-            q, k, v = (
-                F.linear(h, layer.w_qkv, layer.b_qkv).view(t, 3, c.n_heads, c.head_dim).permute(1, 2, 0, 3).unbind(0)
-            )
+            q, k, v = F.linear(h, layer.w_qkv, layer.b_qkv).view(t, 3, c.n_heads, c.head_dim).permute(1, 2, 0, 3).unbind(0)
             kvs.append((k, v))
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [H, T, Dh]
             x = x + F.linear(att.transpose(0, 1).reshape(t, d), layer.w_o, layer.b_o)
@@ -369,9 +367,7 @@ class TinyDuplexPartition(Partition):
             out.extend(Output(cid, {"frame": i, "token": t}) for cid, i, t in zip(cids, first, tokens, strict=True))
         return out
 
-    def forward(
-        self, cids: list[str], frames: np.ndarray | torch.Tensor, batched: bool = True
-    ) -> tuple[list[int], torch.Tensor]:
+    def forward(self, cids: list[str], frames: np.ndarray | torch.Tensor, batched: bool = True) -> tuple[list[int], torch.Tensor]:
         """Advance each call by one frame (frames [B, frame], floats in [-1, 1]).
 
         Returns the tokens and the final hidden states [B, d_model]. `batched=False` runs
@@ -392,10 +388,7 @@ class TinyDuplexPartition(Partition):
                 hidden = self.net.decode(self.pool, x, slots, positions)
             else:
                 hidden = torch.cat(
-                    [
-                        self.net.decode(self.pool, x[b : b + 1], slots[b : b + 1], positions[b : b + 1])
-                        for b in range(len(cids))
-                    ]
+                    [self.net.decode(self.pool, x[b : b + 1], slots[b : b + 1], positions[b : b + 1]) for b in range(len(cids))]
                 )
             tokens = self.net.head(hidden).argmax(dim=-1).tolist()
         for s in states:
@@ -446,9 +439,7 @@ class TinyDuplexModel(Model):
                     PARTITION,
                     EDGE,
                     lambda: FixedChunkPolicy(1),
-                    ClientStreamLimits(
-                        max_items=MAX_ITEMS, item_size=self.config.frame, unit="samples", sample_rate=SAMPLE_RATE
-                    ),
+                    ClientStreamLimits(max_items=MAX_ITEMS, item_size=self.config.frame, unit="samples", sample_rate=SAMPLE_RATE),
                 ),
             ],
         )
