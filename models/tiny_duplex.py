@@ -17,11 +17,15 @@ values at ring index `p % window`, so a long call keeps the last `window` positi
 (a sliding window) and the pool never grows.
 
 Batched step. One forward pass for every call in the batch whatever their cache
-lengths: per layer, scatter the new k/v of each row to `(slot, p % window)`, gather
-`pool[slots, layer, :, :, :L]` with `L` the longest valid length in the batch (no
-wider: rows are padded only up to the longest one present), and run
-`scaled_dot_product_attention` with a boolean mask `[B, 1, 1, L]` that keeps, per row,
-the first `min(p + 1, window)` ring entries. A ring holds exactly those entries and,
+lengths: per layer, scatter the new k/v of each row to `(slot, p % window)`, take the
+first `L` ring entries of each slot, `L` the longest valid length in the batch (rows are
+padded only up to the longest one present), and run `scaled_dot_product_attention` with
+a boolean mask `[rows, 1, 1, L]` that keeps, per row, the first `min(p + 1, window)` ring
+entries (no mask when every row is full). Taking the entries: when the batch's slots are
+dense (span of slots < 2 x batch), attention runs on the view `pool[lo:hi, layer, :, :, :L]`
+with no copy, slots in the span that are not in the batch riding along as dummy rows
+(query 0, one valid entry, dropped); otherwise the B slots are copied into a reused
+workspace (`torch.stack(views, out=...)`). A ring holds exactly those entries and,
 as positions live in the embeddings (not in the attention), the order of the entries
 in the ring does not matter. The single query is the newest position, so the step is
 causal by construction. `step_unbatched` runs the same frames one call at a time
