@@ -313,6 +313,9 @@ class TinyDuplexPartition(Partition):
 
     # -- call lifecycle -------------------------------------------------------------
 
+    def capacity(self) -> int:
+        return self.cfg.max_calls
+
     def open_call(self, call: CallInfo) -> None:
         if call.cid in self._calls:
             return

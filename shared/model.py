@@ -95,6 +95,11 @@ class Partition(ABC):
     def close_call(self, cid: str) -> dict[str, Any]:
         """Drop the call's state; return its usage."""
 
+    def capacity(self) -> int | None:
+        """The most calls this partition can hold at once (a KV cache pool, say); None: no bound
+        of its own. A worker takes no more calls than its smallest partition capacity."""
+        return None
+
     def wants_step(self, cid: str) -> bool:
         """True while the partition has work for `cid` without new input (e.g. paced audio)."""
         return False

@@ -251,3 +251,8 @@ def test_default_sizes() -> None:
     assert tokens == tokens_u
     torch.testing.assert_close(hidden, hidden_u, atol=ATOL, rtol=ATOL)
     assert batched.close_call("b") == {"frames": 41}
+
+
+def test_partition_capacity_is_its_kv_pool() -> None:
+    part = TinyDuplexModel(max_calls=3).create_partition("Duplex")
+    assert part.capacity() == 3

@@ -89,6 +89,13 @@ class WorkerService:
     def load(self) -> int:
         return len(self.calls)
 
+    @property
+    def capacity(self) -> int:
+        """worker_slots, or less where a partition holds fewer calls (its KV cache pool)."""
+        bounds = [self.config.worker_slots]
+        bounds += [c for r in self.runners.values() if (c := r.engine.partition.capacity()) is not None]
+        return min(bounds)
+
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await bus.connect(self.config, f"duplexbus-{self.worker_id}")
         self.js = self.nc.jetstream()
@@ -118,7 +125,7 @@ class WorkerService:
                 model=self.model_name,
                 partitions=self.partitions,
                 model_partitions=list(self.model.topology.partitions),
-                capacity=self.config.worker_slots,
+                capacity=self.capacity,
                 load=self.load,
                 ts=time.time(),
             )
@@ -151,15 +158,23 @@ class WorkerService:
             raise Overloaded("worker is shutting down")
         if a.cid in self.calls:
             return
-        if self.load >= self.config.worker_slots:
-            raise Overloaded(f"worker {self.worker_id} is full ({self.config.worker_slots} calls)")
+        if self.load >= self.capacity:
+            raise Overloaded(f"worker {self.worker_id} is full ({self.capacity} calls)")
         mine = [p for p in a.partitions if p in self.runners]
+        added: list[str] = []
+        try:
+            for p in mine:
+                r = self.runners[p]
+                async with r.lock:
+                    r.engine.add_call(a.cid, a.model_kwargs)
+                added.append(p)
+        except BaseException:
+            for p in added:  # a partition refused it (its own capacity, bad kwargs): leave no trace
+                async with self.runners[p].lock:
+                    self.runners[p].engine.drop_call(a.cid)
+            raise
         call = _Assigned(a.cid, mine)
         self.calls[a.cid] = call
-        for p in mine:
-            r = self.runners[p]
-            async with r.lock:
-                r.engine.add_call(a.cid, a.model_kwargs)
         edges = [e for p in mine for e in self.runners[p].engine.input_edges()]
         for e in edges:
             # in+eoi for client edges, edge+edge_end for inter-partition ones: `*` spans both kinds.

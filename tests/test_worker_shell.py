@@ -1,0 +1,22 @@
+"""The worker shell's own rules that need no bus."""
+
+from __future__ import annotations
+
+from duplexbus.services.worker.service import WorkerService
+from duplexbus.shared.config import parse_config
+
+
+def test_worker_capacity_is_the_smallest_partition_bound() -> None:
+    w = WorkerService(parse_config({"worker_slots": 100}), "echo")
+    assert w.capacity == 100
+    w.runners["Talker"].engine.partition.capacity = lambda: 3  # type: ignore[method-assign]
+    assert w.capacity == 3
+
+
+def test_unknown_partition_is_refused_at_start() -> None:
+    try:
+        WorkerService(parse_config({}), "echo", ["Nope"])
+    except ValueError as e:
+        assert "Nope" in str(e) and "Encoder" in str(e)
+    else:
+        raise AssertionError("an unknown partition was accepted")
