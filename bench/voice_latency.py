@@ -33,6 +33,7 @@ import asyncio
 import base64
 import json
 import math
+import os
 import random
 import re
 import shlex
@@ -64,6 +65,55 @@ SENTENCES = [
 SEED = 20_240_601
 DOC = Path(__file__).resolve().parent.parent / "docs" / "performance.md"
 HEADING = "## voice_assistant: end of turn to first reply audio"
+
+
+class CpuWatch:
+    """The share of the machine's CPU time used by processes outside this benchmark (others' jobs).
+
+    Busy time of the whole machine (/proc/stat) minus that of this process and of the
+    `duplexbus up` process tree, over a level's run.
+    """
+
+    def __init__(self, root_pid: int) -> None:
+        self.roots = {os.getpid(), root_pid}
+        self.start = self._sample()
+
+    @staticmethod
+    def _machine() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return sum(v) - v[3] - v[4], sum(v)  # busy, total (idle and iowait are not busy)
+
+    def _mine(self) -> int:
+        parent: dict[int, int] = {}
+        ticks: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d)] = int(fields[1])
+            ticks[int(d)] = int(fields[11]) + int(fields[12])
+        total = 0
+        for pid, t in ticks.items():
+            p = pid
+            while p > 1 and p not in self.roots:
+                p = parent.get(p, 0)
+            if p in self.roots:
+                total += t
+        return total
+
+    def _sample(self) -> tuple[int, int, int]:
+        return (*self._machine(), self._mine())
+
+    def others(self) -> float:
+        """Others' share of all cores since the last call (0..1); starts a new interval."""
+        busy0, total0, mine0 = self.start
+        self.start = busy1, total1, mine1 = self._sample()
+        return max(0.0, ((busy1 - busy0) - (mine1 - mine0)) / max(1, total1 - total0))
 
 
 def clips() -> list[np.ndarray]:
@@ -196,14 +246,15 @@ def fmt(x: float | None) -> str:
 def row(r: dict[str, Any], label: str | None = None) -> str:
     return (
         f"| {label or r['calls']} | {r['turns']} | {r['replies']} | {fmt(r['audio_p50_ms'])} | {fmt(r['audio_p95_ms'])} "
-        f"| {fmt(r['audio_max_ms'])} | {fmt(r['speak_p50_ms'])} | {fmt(r['final_p50_ms'])} | {fmt(r['final_p95_ms'])} |"
+        f"| {fmt(r['audio_max_ms'])} | {fmt(r['speak_p50_ms'])} | {fmt(r['final_p50_ms'])} | {fmt(r['final_p95_ms'])} "
+        f"| {fmt(r.get('others_cpu_pct'))} |"
     )
 
 
 TABLE_HEAD = (
     "| concurrent calls | turns | replies | first audio p50 ms | p95 ms | max ms "
-    "| speak p50 ms | final transcript p50 ms | p95 ms |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| speak p50 ms | final transcript p50 ms | p95 ms | others' CPU % |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
 
 WHERE_THE_TIME_GOES = """\
@@ -246,7 +297,10 @@ def section(args: argparse.Namespace, command: str, warm: dict[str, Any], result
     lines = [
         HEADING,
         "",
-        f"Machine: {machine()}. Other jobs shared the machine, so figures vary (see the spread between p50 and p95).",
+        f"Machine: {machine()}.",
+        "",
+        "Other people's jobs share this machine: `others' CPU %` is their share of all cores while a row ran (busy CPU",
+        "time outside this benchmark and its services). Rows run under more of it are slower.",
         "",
         "```",
         command,
@@ -271,7 +325,6 @@ def section(args: argparse.Namespace, command: str, warm: dict[str, Any], result
         row(warm, f"{warm['calls']} (cold)"),
         "",
         WHERE_THE_TIME_GOES,
-        "",
         RTF_NOTE,
     ]
     return "\n".join(lines)
@@ -306,23 +359,29 @@ async def main() -> None:
     speech = clips()
     results = []
     with UpStack("voice_assistant", config={"max_concurrent_requests": max(args.calls) + 8}) as stack:
+        watch = CpuWatch(stack.proc.pid)
         n = max(args.calls)
         warm_jobs = []
         for i in range(n):
             audio, ends = dialogue(speech, first=i, turns=1, gap=1.0)
             warm_jobs.append(one_call(stack.ws_url(), f"warm-{i}", audio, ends, 0.1 * i))
         warm = summarize(n, list(await asyncio.gather(*warm_jobs)))
+        warm["others_cpu_pct"] = 100 * watch.others()
         print(TABLE_HEAD)
         print(row(warm, f"{n} (cold)"), flush=True)
         for calls in args.calls:
             rounds = max(1, math.ceil(args.min_turns / (calls * args.turns)))
+            watch.others()
             r = await level(stack, speech, calls, args.turns, args.gap, rounds, rng)
+            r["others_cpu_pct"] = 100 * watch.others()
             results.append(r)
             print(row(r), flush=True)
             if r["failed_calls"]:
                 print(f"  failed calls: {r['errors']}", flush=True)
         if args.aligned:
+            watch.others()
             r = await level(stack, speech, args.aligned, args.turns, args.gap, 1, rng, spread=False)
+            r["others_cpu_pct"] = 100 * watch.others()
             r["label"] = f"{args.aligned} (aligned)"
             results.append(r)
             print(row(r, r["label"]), flush=True)
