@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 
@@ -41,19 +39,12 @@ class UpStack:
         self.frontends = frontends
         self._wait_ready()
 
-    def _wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        for i in range(self.frontends):
-            while True:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("duplexbus up did not become ready")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port + i}/healthz", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(0.1)
-        time.sleep(1.5)  # every worker has heartbeated
+    def _wait_ready(self) -> None:
+        """`up` prints its serving line once every frontend answers and every worker heartbeats."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "serving" not in line:
+            raise RuntimeError(f"duplexbus up did not become ready: {line.strip()}")
 
     def ws_url(self, i: int = 0) -> str:
         return f"ws://127.0.0.1:{self.port + i % self.frontends}/generate/ws"

@@ -9,8 +9,9 @@ logging off. Options for `Decoder(...)` may be passed as `decoder_options`.
 One decoder per call: a turn is one utterance (`start_utt`, `process_raw` of each
 audio item as it arrives, `end_utt`), so concurrent calls' turns interleave freely.
 Decoders are costly to build (~0.5 s, ~90 MB each), so they come from a pool:
-`warm_decoders` (1) are built when the partition starts, a call takes one when its
-first turn begins (building one, inside that step, when the pool is empty), and a
+`warm_decoders` (1) are built when the partition starts and a background thread fills
+the pool up to `pool_size` (8); a call takes one when its first turn begins (building
+one, inside that step, only when more than `pool_size` calls hold one), and a
 closed call's decoder goes back to the pool (up to `pool_size` kept) with its
 cepstral mean reset to the initial one, so a call's result does not depend on which
 calls used the decoder before. Live CMN adapts across the turns of one call.
@@ -27,6 +28,7 @@ pocketsphinx has no batched API: a step loops over the calls in its batch.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +61,7 @@ class _CallState:
 
 
 class Recognizer(Partition):
-    def __init__(
-        self, pool_size: int = 8, warm_decoders: int = 1, decoder_options: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, pool_size: int = 8, warm_decoders: int = 1, decoder_options: dict[str, Any] | None = None) -> None:
         self.decoder_options = dict(decoder_options or {})
         self.pool_size = max(pool_size, warm_decoders, 1)
         first = new_decoder(**self.decoder_options)
@@ -69,6 +69,17 @@ class Recognizer(Partition):
         self._pool: list[Any] = [first]
         self._pool += [new_decoder(**self.decoder_options) for _ in range(warm_decoders - 1)]
         self._calls: dict[str, _CallState] = {}
+        # Fill the rest of the pool off the step path: a fresh worker's first calls then find
+        # a decoder ready instead of building one (~0.5 s) inside a step that holds every call.
+        # list.append/pop are atomic, so the filler needs no lock against _acquire/_release.
+        threading.Thread(target=self._fill_pool, name="decoder-pool", daemon=True).start()
+
+    def _fill_pool(self) -> None:
+        while len(self._pool) < self.pool_size:
+            try:
+                self._pool.append(new_decoder(**self.decoder_options))
+            except Exception:
+                return
 
     # -- decoders ------------------------------------------------------------
     def _acquire(self) -> Any:
