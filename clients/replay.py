@@ -8,16 +8,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.config import load_config
+from duplexbus.shared.config import ServingConfig, load_config
 
 
-async def read_call(js: JetStreamContext, cid: str) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
-    """Every stored message of the call, oldest first."""
+async def read_call(nc: Client, cid: str, config: ServingConfig) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
+    """Every stored message of the call, oldest first (large payloads fetched from the Object Store)."""
+    js = nc.jetstream()
+    payloads = bus.Payloads(nc, js, config)
     cfg = ConsumerConfig(
         filter_subject=subjects.call_all(cid),
         deliver_policy=DeliverPolicy.ALL,
@@ -36,7 +38,7 @@ async def read_call(js: JetStreamContext, cid: str) -> AsyncIterator[tuple[str, 
                 return
             for m in msgs:
                 pending = m.metadata.num_pending
-                yield m.subject, wire.decode(m.data)
+                yield m.subject, wire.decode(await payloads.body(m))
     finally:
         await sub.unsubscribe()
         try:
@@ -65,7 +67,7 @@ async def run_replay(args: argparse.Namespace) -> int:
     nc = await bus.connect(cfg, "duplexbus-replay")
     try:
         n = 0
-        async for subject, msg in read_call(nc.jetstream(), args.cid):
+        async for subject, msg in read_call(nc, args.cid, cfg):
             print(json.dumps({"subject": subject, **summarize(msg)}, default=str))
             n += 1
         if n == 0:

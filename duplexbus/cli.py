@@ -10,7 +10,7 @@ from pathlib import Path
 
 from duplexbus.shared.config import ServingConfig, load_config
 from duplexbus.shared.errors import ConfigError
-from duplexbus.shared.service import install_stop_signals, setup_logging
+from duplexbus.shared.service import install_stop_signals, setup_logging, tune_gc
 
 
 def _config(args: argparse.Namespace) -> ServingConfig:
@@ -28,6 +28,7 @@ def cmd_conductor(args: argparse.Namespace) -> int:
 
     setup_logging("conductor")
     svc = ConductorService(_config(args))
+    tune_gc()
     asyncio.run(_serve(svc.run))
     return 0
 
@@ -38,6 +39,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging("worker")
     cfg = _config(args)
     svc = WorkerService(cfg, cfg.model, args.partition or None)
+    tune_gc()
     asyncio.run(_serve(svc.run))
     return 0
 
@@ -52,6 +54,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     host = args.host or cfg.host
     port = args.port or cfg.port
     app = create_app(cfg)
+    tune_gc()
     ws_max = int(cfg.max_message_mb * 1024 * 1024 * 2) + 1024 * 1024  # the app answers oversize messages itself
     uvicorn.run(
         app,

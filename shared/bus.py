@@ -96,3 +96,63 @@ async def close(nc: Client, timeout: float = 2.0) -> None:
         await asyncio.wait_for(nc.flush(), timeout)
     with contextlib.suppress(Exception):
         await nc.close()
+
+
+PAYLOAD_HEADER = "Duplex-Payload"
+
+
+class Payloads:
+    """Bodies over the server's max_payload go through the JetStream Object Store.
+
+    The message on the call's subject then carries no body and names the object in a
+    header; `body()` gives the bytes back either way. The bucket has the stream's
+    retention, so a replayed call still finds its large payloads.
+    """
+
+    def __init__(self, nc: Client, js: JetStreamContext, config: ServingConfig) -> None:
+        self.nc, self.js, self.config = nc, js, config
+        self._store: Any = None
+
+    @property
+    def limit(self) -> int:
+        return int(self.nc.max_payload) - 8192  # room for the subject and headers
+
+    async def _bucket(self) -> Any:
+        if self._store is None:
+            from nats.js.api import ObjectStoreConfig
+
+            try:
+                self._store = await self.js.object_store(subjects.OBJ_PAYLOADS)
+            except NotFoundError:
+                cfg = ObjectStoreConfig(
+                    bucket=subjects.OBJ_PAYLOADS,
+                    ttl=self.config.retention.max_age_s,
+                    max_bytes=self.config.retention.max_bytes,
+                    storage=StorageType.FILE,
+                    replicas=self.config.retention.replicas,
+                )
+                try:
+                    self._store = await self.js.create_object_store(subjects.OBJ_PAYLOADS, config=cfg)
+                except BadRequestError:
+                    self._store = await self.js.object_store(subjects.OBJ_PAYLOADS)
+        return self._store
+
+    async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None, ack: bool = False) -> None:
+        """Core publish (or, with ack, a JetStream publish awaiting the stream's ack)."""
+        if len(body) > self.limit:
+            name = f"{subject}.{self.nc._nuid.next().decode()}"
+            await (await self._bucket()).put(name, body)
+            headers = {**(headers or {}), PAYLOAD_HEADER: name}
+            body = b""
+        if ack:
+            await self.js.publish(subject, body, headers=headers)
+        else:
+            await self.nc.publish(subject, body, headers=headers)
+
+    async def body(self, msg: Any) -> bytes:
+        """The message's body, fetched from the Object Store when it was too large to carry."""
+        name = msg.headers.get(PAYLOAD_HEADER) if msg.headers else None
+        if not name:
+            return bytes(msg.data)
+        result = await (await self._bucket()).get(name)
+        return bytes(result.data or b"")

@@ -14,6 +14,7 @@ KV_WORKERS = "duplex_workers"
 KV_FRONTENDS = "duplex_frontends"
 KV_CALLS = "duplex_calls"
 KV_REQUEST_IDS = "duplex_request_ids"
+OBJ_PAYLOADS = "duplex_payloads"  # bodies over the server's max_payload
 
 CONDUCTOR_DURABLE = "conductor"
 

@@ -128,6 +128,7 @@ class Assign(Msg, tag="assign"):
     model: str
     partitions: list[str]
     model_kwargs: dict[str, Any] = {}
+    kwargs_in_open: bool = False  # too large to carry here: read them from call.{cid}.open
 
 
 class AssignReply(Msg, tag="assign_reply"):
@@ -161,6 +162,7 @@ class CallRecord(Msg, tag="call"):
     live: bool
     created: float
     model_kwargs: dict[str, Any] = {}
+    kwargs_in_open: bool = False
     partitions: list[str] = []
     open_streams: list[str] = []
     placement: dict[str, str] = {}  # partition -> worker_id

@@ -13,8 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from duplexbus.shared import wire
 from duplexbus.shared.config import ServingConfig
+
+KWARGS_INLINE_MAX = 64 * 1024  # larger model_kwargs are read by workers from the call's open message
 
 
 class CallState(enum.Enum):
@@ -160,6 +164,7 @@ class Call:
     done: dict[str, int] = field(default_factory=dict)  # partition -> outputs
     usage: dict[str, Any] = field(default_factory=dict)
     waiting_since: float = 0.0
+    kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
 
     def move(self, to: CallState) -> None:
         if to not in _TRANSITIONS[self.state]:
@@ -175,7 +180,8 @@ class Call:
             state=self.state.value,
             live=self.live,
             created=self.created,
-            model_kwargs=self.model_kwargs,
+            model_kwargs={} if self.kwargs_in_open else self.model_kwargs,
+            kwargs_in_open=self.kwargs_in_open,
             partitions=list(self.partitions),
             open_streams=sorted(self.open_streams),
             placement=dict(self.placement),
@@ -239,6 +245,7 @@ class Conductor:
             live=m.live,
             created=ev.now,
             model_kwargs=dict(m.model_kwargs),
+            kwargs_in_open=len(msgspec.msgpack.encode(m.model_kwargs)) > KWARGS_INLINE_MAX,
             partitions=list(self.partitions_of.get(m.model, [])),  # known once a worker of the model is seen
             open_streams=set(m.open_streams),
         )
@@ -292,7 +299,16 @@ class Conductor:
         actions: list[Action] = [SaveRecord(call.record())]
         for w, parts in by_worker.items():
             actions.append(
-                SendAssign(w, wire.Assign(cid=call.cid, model=call.model, partitions=parts, model_kwargs=call.model_kwargs))
+                SendAssign(
+                    w,
+                    wire.Assign(
+                        cid=call.cid,
+                        model=call.model,
+                        partitions=parts,
+                        model_kwargs={} if call.kwargs_in_open else call.model_kwargs,
+                        kwargs_in_open=call.kwargs_in_open,
+                    ),
+                )
             )
         return actions
 
@@ -428,6 +444,7 @@ class Conductor:
                 live=r.live,
                 created=r.created,
                 model_kwargs=dict(r.model_kwargs),
+                kwargs_in_open=r.kwargs_in_open,
                 partitions=list(r.partitions),
                 open_streams=set(r.open_streams),
                 state=CallState(r.state),

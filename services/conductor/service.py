@@ -54,6 +54,7 @@ class ConductorService:
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await bus.connect(self.config, "duplexbus-conductor")
         self.js = self.nc.jetstream()
+        self.payloads = bus.Payloads(self.nc, self.js, self.config)
         await bus.ensure_stream(self.js, self.config)
         self.kv = await bus.ensure_buckets(self.js, self.config, list(bus.BUCKETS))
         await self._restore()
@@ -98,7 +99,11 @@ class ConductorService:
                 continue
             for m in msgs:
                 self.received += 1
-                ev = _event_of(m)
+                try:
+                    ev = _event_of(m.subject, await self.payloads.body(m))
+                except Exception:
+                    log.exception("cannot read the body of %s", m.subject)
+                    ev = None
                 if ev is None:
                     await m.ack()
                     continue
@@ -192,12 +197,12 @@ def _lost(bucket: str, key: str) -> core.Event:
     return core.WorkerLost(key) if bucket == subjects.KV_WORKERS else core.FrontendLost(key)
 
 
-def _event_of(m: Msg) -> core.Event | None:
+def _event_of(subject: str, data: bytes) -> core.Event | None:
     try:
-        s = subjects.parse(m.subject)
-        msg = wire.decode(m.data)
+        s = subjects.parse(subject)
+        msg = wire.decode(data)
     except (ValueError, DuplexError):
-        log.warning("undecodable message on %s", m.subject)
+        log.warning("undecodable message on %s", subject)
         return None
     if isinstance(msg, wire.Open):
         return core.Opened(msg, time.time())

@@ -105,6 +105,7 @@ class FrontendService:
     async def start(self) -> None:
         self.nc = await bus.connect(self.config, f"duplexbus-{self.frontend_id}")
         self.js = self.nc.jetstream()
+        self.payloads = bus.Payloads(self.nc, self.js, self.config)
         await bus.ensure_stream(self.js, self.config)
         kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS])
         self.rids = kvs[subjects.KV_REQUEST_IDS]
@@ -186,7 +187,7 @@ class FrontendService:
             call.subs.append(await self.nc.subscribe(subjects.out(cid), cb=self._on_out))
             call.subs.append(await self.nc.subscribe(subjects.fin(cid), cb=self._on_fin))
             await self._publish_items(cid, prepared)
-            await self.js.publish(
+            await self.payloads.publish(
                 subjects.open_(cid),
                 wire.encode(
                     wire.Open(
@@ -201,6 +202,7 @@ class FrontendService:
                     )
                 ),
                 headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.OPEN, "-", 0)},
+                ack=True,  # the open is stored before anything else happens
             )
             await self._publish_ends(cid, prepared)
         except BaseException:
@@ -243,7 +245,7 @@ class FrontendService:
             # Core publish: the stream stores it all the same, with no round trip per append.
             # No Nats-Msg-Id: consumers deduplicate items by seq, and the server's duplicate
             # window would track every item (measured: docs/performance.md).
-            await self.nc.publish(subjects.input_(cid, edge), body)
+            await self.payloads.publish(subjects.input_(cid, edge), body)
 
     async def _publish_ends(self, cid: str, p: Prepared) -> None:
         assert self.js is not None
@@ -293,7 +295,7 @@ class FrontendService:
         if call is None:
             return
         try:
-            o = wire.decode_as(m.data, wire.OutputMsg)
+            o = wire.decode_as(await self.payloads.body(m), wire.OutputMsg)
         except DuplexError:
             return
         nxt = call.next_out.get(o.partition, 0)

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -99,6 +100,7 @@ class WorkerService:
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await bus.connect(self.config, f"duplexbus-{self.worker_id}")
         self.js = self.nc.jetstream()
+        self.payloads = bus.Payloads(self.nc, self.js, self.config)
         await bus.ensure_stream(self.js, self.config)
         kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_WORKERS])
         kv = kvs[subjects.KV_WORKERS]
@@ -161,12 +163,13 @@ class WorkerService:
         if self.load >= self.capacity:
             raise Overloaded(f"worker {self.worker_id} is full ({self.capacity} calls)")
         mine = [p for p in a.partitions if p in self.runners]
+        kwargs = await self._kwargs_from_open(a.cid) if a.kwargs_in_open else a.model_kwargs
         added: list[str] = []
         try:
             for p in mine:
                 r = self.runners[p]
                 async with r.lock:
-                    r.engine.add_call(a.cid, a.model_kwargs)
+                    r.engine.add_call(a.cid, kwargs)
                 added.append(p)
         except BaseException:
             for p in added:  # a partition refused it (its own capacity, bad kwargs): leave no trace
@@ -185,6 +188,11 @@ class WorkerService:
         call.catchup = asyncio.get_running_loop().create_task(self._catch_up(a.cid, edges))
         for p in mine:
             self.runners[p].wake.set()
+
+    async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
+        assert self.js is not None
+        stored = await self.js.get_last_msg(subjects.STREAM, subjects.open_(cid))
+        return dict(wire.decode_as(await self.payloads.body(stored), wire.Open).model_kwargs)
 
     async def _catch_up(self, cid: str, edges: list[str]) -> None:
         """Read what the stream holds for the call's input subjects from the start."""
@@ -258,7 +266,7 @@ class WorkerService:
     async def _handle_data(self, m: Msg, live: bool) -> None:
         try:
             s = subjects.parse(m.subject)
-            msg = wire.decode(m.data)
+            msg = wire.decode(await self.payloads.body(m))
         except (ValueError, DuplexError):
             log.warning("dropping undecodable message on %s", m.subject)
             return
@@ -341,14 +349,13 @@ class WorkerService:
 
     async def _carry_out(self, actions: list[eng.Action], partition: str) -> None:
         assert self.nc is not None and self.js is not None
-        nc = self.nc
         for a in actions:
             if isinstance(a, eng.PublishOutput):
                 body = wire.encode(wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data)))
-                await nc.publish(subjects.out(a.cid), body)
+                await self.payloads.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
-                await nc.publish(subjects.edge(a.cid, a.edge), body)
+                await self.payloads.publish(subjects.edge(a.cid, a.edge), body)
             elif isinstance(a, eng.PublishEdgeEnd):
                 await self.js.publish(
                     subjects.edge_end(a.cid, a.edge),
