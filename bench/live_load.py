@@ -4,8 +4,11 @@ Each call appends one 80 ms frame (1280 samples) every 80 ms, in real time, and
 measures the lag from sending frame k to receiving echo output k. Workers report
 the data-path time (an append leaving the frontend -> the worker having it).
 
-    .venv/bin/python bench/live_load.py --calls 1,50,200 --seconds 10
-    .venv/bin/python bench/live_load.py --calls 100,200,300,400,500 --seconds 10   # capacity ramp
+    .venv/bin/python -m bench.live_load --calls 1,50,200 --seconds 10
+    .venv/bin/python -m bench.live_load --calls 100,200,300,400,500 --seconds 10   # capacity
+
+Calls open at random over --ramp seconds (2 by default), as arrivals rather than one
+burst; each call's first second (its opening and placement) is reported apart.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ WARMUP_FRAMES = 12  # the first second of each call (its opening and placement) 
 
 
 async def socket_calls(
-    url: str, n: int, seconds: float, lags: list[float], warm: list[float], stats: dict[str, int], tag: str
+    url: str, n: int, seconds: float, lags: list[float], warm: list[float], stats: dict[str, int], tag: str, ramp_s: float
 ) -> None:
     """n live calls on one socket, each paced at one frame per 80 ms."""
     frame = np.zeros(FRAME, dtype="<i2")
@@ -61,7 +64,7 @@ async def socket_calls(
         async def one(i: int) -> None:
             rid = f"{tag}-{i}"
             sent[rid] = []
-            await asyncio.sleep(random.random() * PERIOD)  # spread the calls over the period
+            await asyncio.sleep(random.random() * max(PERIOD, ramp_s))  # calls arrive over the ramp
             await ws.send(json.dumps({"request_id": rid}))
             t0 = time.monotonic()
             k = 0
@@ -82,7 +85,7 @@ async def socket_calls(
             rd.cancel()
 
 
-async def level(stack: UpStack, calls: int, seconds: float, per_socket: int) -> dict[str, Any]:
+async def level(stack: UpStack, calls: int, seconds: float, per_socket: int, ramp_s: float) -> dict[str, Any]:
     await stack.worker_stats(reset=True)
     lags: list[float] = []
     warm: list[float] = []
@@ -90,7 +93,7 @@ async def level(stack: UpStack, calls: int, seconds: float, per_socket: int) -> 
     sockets = max(1, -(-calls // per_socket))
     sizes = [calls // sockets + (1 if i < calls % sockets else 0) for i in range(sockets)]
     await asyncio.gather(
-        *(socket_calls(stack.ws_url(i), n, seconds, lags, warm, stats, f"s{i}") for i, n in enumerate(sizes) if n)
+        *(socket_calls(stack.ws_url(i), n, seconds, lags, warm, stats, f"s{i}", ramp_s) for i, n in enumerate(sizes) if n)
     )
     workers = await stack.worker_stats()
     dp = [w["data_path_ms"] for w in workers if w["data_path_ms"]["n"]]
@@ -123,6 +126,7 @@ async def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--per-socket", type=int, default=25, help="calls sharing one client socket")
     ap.add_argument("--frontends", type=int, default=1)
+    ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which the calls open (arrivals, not a burst)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     levels = [int(x) for x in args.calls.split(",")]
@@ -133,7 +137,7 @@ async def main() -> None:
         print("| live calls | frames | lag p50 ms | lag p99 ms | data path p50 ms | data path p99 ms | errors | real time |")
         print("|---|---|---|---|---|---|---|---|")
         for n in levels:
-            r = await level(stack, n, args.seconds, args.per_socket)
+            r = await level(stack, n, args.seconds, args.per_socket, args.ramp)
             r["real_time"] = r["lag_p99_ms"] is not None and r["lag_p99_ms"] < 100 and r["errors"] == 0
             results.append(r)
             print(
