@@ -41,6 +41,7 @@ async def socket_calls(
     sent: dict[str, list[float]] = {}
     done = asyncio.Event()
     finished = 0
+    finals: set[str] = set()
     async with websockets.connect(url, max_size=None, ping_interval=None, compression=None) as ws:
 
         async def reader() -> None:
@@ -54,6 +55,11 @@ async def socket_calls(
                     if t is not None:
                         (lags if k >= WARMUP_FRAMES else warm).append(time.monotonic() - t)
                 elif "finish" in m or "error" in m:
+                    if m.get("append"):
+                        stats["append_errors"] = stats.get("append_errors", 0) + 1
+                        stats.setdefault("last_error", m["error"])  # type: ignore[arg-type]
+                        continue
+                    finals.add(rid)
                     stats["finished" if "finish" in m else "errors"] += 1
                     if "error" in m:
                         stats.setdefault("last_error", m["error"])  # type: ignore[arg-type]
@@ -81,6 +87,7 @@ async def socket_calls(
             await asyncio.wait_for(done.wait(), timeout=60)
         except TimeoutError:
             stats["unfinished"] = stats.get("unfinished", 0) + n - finished
+            stats.setdefault("last_error", f"no finish for {sorted(set(sent) - finals)[:5]}")  # type: ignore[arg-type]
         finally:
             rd.cancel()
 
@@ -105,6 +112,7 @@ async def level(stack: UpStack, calls: int, seconds: float, per_socket: int, ram
         "frames": len(lags),
         "finished": stats["finished"],
         "errors": stats["errors"] + stats.get("unfinished", 0),
+        "last_error": stats.get("last_error"),
         "lag_p50_ms": percentile(lag_ms, 50),
         "lag_p99_ms": percentile(lag_ms, 99),
         "first_second_lag_p99_ms": percentile([x * 1000 for x in warm], 99),
@@ -145,6 +153,9 @@ async def main() -> None:
                 f"| {fmt(r['data_path_p99_ms'])} | {r['errors']} | {'yes' if r['real_time'] else 'no'} |",
                 flush=True,
             )
+    for r in results:
+        if r.get("last_error"):
+            print(f"{r['calls']} calls: last error: {r['last_error']}")
     ok = [r["calls"] for r in results if r["real_time"]]
     print(
         "first-second lag p99 ms (opening and placement included): "
