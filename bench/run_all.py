@@ -1,6 +1,6 @@
 """Run every benchmark in turn (the figures in docs/performance.md come from these).
 
-    .venv/bin/python bench/run_all.py            # or: make bench
+.venv/bin/python bench/run_all.py            # or: make bench
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 import nats
+from nats.js.errors import NoKeysError
 
 from duplexbus.shared import subjects
 from duplexbus.shared.embedded import free_port
@@ -53,8 +55,15 @@ class UpStack:
         nc = await nats.connect(self.nats_url)
         try:
             kv = await nc.jetstream().key_value(subjects.KV_WORKERS)
+            ids: list[str] = []
+            for _ in range(5):  # listing keys is a watch that can come back empty on a busy server
+                try:
+                    ids = await kv.keys()
+                    break
+                except NoKeysError:
+                    await asyncio.sleep(0.5)
             out = []
-            for wid in await kv.keys():
+            for wid in ids:
                 r = await nc.request(subjects.worker_stats(wid), b"reset" if reset else b"", timeout=5)
                 out.append(json.loads(r.data))
             return out
