@@ -111,6 +111,13 @@ class StreamBuffer:
         return self._next_expected
 
     @property
+    def missing(self) -> int | None:
+        """The first seq known to be missing (a later item or the end count says it exists), else None."""
+        if self._pending or (self.total is not None and self._next_expected < self.total):
+            return self._next_expected
+        return None
+
+    @property
     def complete(self) -> bool:
         return self.total is not None and self._next_expected >= self.total
 

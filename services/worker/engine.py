@@ -181,6 +181,15 @@ class Engine:
         self._dirty[cid] = None
         return []
 
+    def missing(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Calls waiting on an item known to exist (lost in transit): cid -> (edge, first missing seq)s."""
+        out: dict[str, tuple[tuple[str, int], ...]] = {}
+        for cid, call in self._calls.items():
+            gaps = tuple((e, m) for e, b in call.buffers.items() if (m := b.missing) is not None)
+            if gaps:
+                out[cid] = gaps
+        return out
+
     def fail_call(self, cid: str, error: DuplexError) -> list[Action]:
         call = self._calls.get(cid)
         return [] if call is None else self._fail(call, error)

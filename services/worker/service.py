@@ -37,6 +37,7 @@ from duplexbus.shared.stats import Reservoir
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often a partition that wants steps without input (paced audio) is stepped
+REPAIR_PERIOD_S = 0.5  # how long an item may be missing before it is read from the stream
 
 
 @dataclass
@@ -84,6 +85,7 @@ class WorkerService:
         self.js: JetStreamContext | None = None
         self._accepting = True
         self._cleanups: set[asyncio.Task[None]] = set()
+        self.repairs = 0  # catch-up reads started for items lost in transit
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
     @property
@@ -110,12 +112,14 @@ class WorkerService:
         async with asyncio.TaskGroup() as tg:
             steppers = [tg.create_task(self._step_loop(name, r)) for name, r in self.runners.items()]
             hb = tg.create_task(heartbeat(kv, self.worker_id, self._heartbeat, self.config.heartbeat_s))
+            repair = tg.create_task(self._repair_gaps())
             await stop.wait()
             # Graceful: stop intake (no heartbeat, key deleted), let running calls finish, then cancel.
             self._accepting = False
             hb.cancel()
             await delete_quietly(kv, self.worker_id)
             await self._drain(timeout=10.0)
+            repair.cancel()
             for t in steppers:
                 t.cancel()
         await bus.close(self.nc)
@@ -189,6 +193,28 @@ class WorkerService:
         for p in mine:
             self.runners[p].wake.set()
 
+    async def _repair_gaps(self) -> None:
+        """An item can go missing in transit (published while a subscription was being set up,
+        or during a reconnect), and a stream buffer then waits on it forever. Every item is in
+        the stream: where the same item has been missing for a whole period, read the call's
+        input again from the stream (duplicates are dropped by seq)."""
+        seen: dict[str, tuple[tuple[str, int], ...]] = {}
+        while True:
+            await asyncio.sleep(REPAIR_PERIOD_S)
+            now: dict[str, tuple[tuple[str, int], ...]] = {}
+            for r in self.runners.values():
+                for cid, gaps in r.engine.missing().items():
+                    now[cid] = now.get(cid, ()) + gaps
+            for cid, gaps in now.items():
+                call = self.calls.get(cid)
+                if call is None or seen.get(cid) != gaps or (call.catchup is not None and not call.catchup.done()):
+                    continue
+                log.warning("call %s: items %s missing for %.1fs, reading them from the stream", cid, gaps, REPAIR_PERIOD_S)
+                self.repairs += 1
+                edges = [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
+                call.catchup = asyncio.get_running_loop().create_task(self._catch_up(cid, edges))
+            seen = now
+
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         assert self.js is not None
         stored = await self.js.get_last_msg(subjects.STREAM, subjects.open_(cid))
@@ -249,6 +275,7 @@ class WorkerService:
             "worker_id": self.worker_id,
             "model": self.model_name,
             "load": self.load,
+            "repairs": self.repairs,
             "partitions": parts,
             "data_path_ms": {"n": lat.count, "p50": lat.percentile(50), "p99": lat.percentile(99)},
         }

@@ -1,0 +1,102 @@
+"""An item lost in transit is read again from the stream; the call does not stall."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+
+from duplexbus.services.worker.engine import Engine
+from duplexbus.services.worker.service import WorkerService
+from duplexbus.shared import bus, subjects, wire
+from duplexbus.shared.chunking import FixedChunkPolicy, Item, StreamBuffer
+from duplexbus.shared.config import parse_config
+from duplexbus.shared.model import CallInfo, Emission, Partition, StepInput
+from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+
+
+def test_buffer_reports_the_first_missing_item() -> None:
+    b = StreamBuffer(FixedChunkPolicy(1))
+    b.push(0, Item())
+    assert b.missing is None
+    b.push(2, Item())  # 1 is known to exist
+    assert b.missing == 1
+    b.push(1, Item())
+    assert b.missing is None
+    b.end(5)  # 3 and 4 exist but none came
+    assert b.missing == 3
+
+
+class Nop(Partition):
+    def open_call(self, call: CallInfo) -> None: ...
+    def step(self, batch: list[StepInput]) -> list[Emission]:
+        return []
+
+    def close_call(self, cid: str) -> dict[str, Any]:
+        return {}
+
+
+def test_engine_lists_calls_waiting_on_a_lost_item() -> None:
+    topo = PartitionTopology(["P"], [Connection(CLIENT, "P", "in", lambda: FixedChunkPolicy(1), ClientStreamLimits())])
+    e = Engine("P", topo, Nop())
+    e.add_call("a")
+    e.add_call("b")
+    e.push("a", "in", 1, Item())
+    e.push("b", "in", 0, Item())
+    assert e.missing() == {"a": (("in", 0),)}
+
+
+async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
+    cfg = parse_config({"nats_url": nats_url, "model": "echo"})
+    svc = WorkerService(cfg, "echo")
+    real = svc._handle_data
+    dropped: list[int] = []
+
+    async def lossy(m: Any, live: bool) -> None:
+        # the live subscription loses item 5 of the client stream, once
+        if live and m.subject.endswith(".in.audio_in") and not dropped:
+            if wire.decode_as(m.data, wire.InputItem).seq == 5:
+                dropped.append(5)
+                return
+        await real(m, live)
+
+    svc._handle_data = lossy  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    nc = await bus.connect(cfg, "test-repair")
+    try:
+        for _ in range(100):
+            if svc.nc is not None and svc.js is not None:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        cid = subjects.new_cid()
+        frames: list[int] = []
+        done = asyncio.Event()
+
+        async def on_out(m: Any) -> None:
+            frames.append(json.loads(wire.decode_as(m.data, wire.OutputMsg).json)["frame"])
+            if len(frames) == 20:
+                done.set()
+
+        await nc.subscribe(subjects.out(cid), cb=on_out)
+        reply = await nc.request(
+            subjects.assign(svc.worker_id),
+            wire.encode(wire.Assign(cid=cid, model="echo", partitions=["Encoder", "Talker"])),
+            timeout=5,
+        )
+        assert wire.decode_as(reply.data, wire.AssignReply).ok
+        for seq in range(20):
+            item = wire.WireItem.from_item(Item(np.full(1280, seq, dtype="<i2")))
+            await nc.publish(subjects.input_(cid, "audio_in"), wire.encode(wire.InputItem(seq=seq, item=item)))
+        await nc.jetstream().publish(subjects.eoi(cid, "audio_in"), wire.encode(wire.EndOfInput(total=20)))
+        await asyncio.wait_for(done.wait(), timeout=10)
+        assert dropped == [5]
+        assert frames == list(range(20))
+        assert svc.repairs >= 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+        await nc.close()
