@@ -9,8 +9,6 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig, load_config
@@ -19,32 +17,8 @@ from duplexbus.shared.config import ServingConfig, load_config
 async def read_call(nc: Client, cid: str, config: ServingConfig) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
     """Every stored message of the call, oldest first (large payloads fetched from the Object Store)."""
     js = nc.jetstream()
-    payloads = bus.Payloads(nc, js, config)
-    cfg = ConsumerConfig(
-        filter_subject=subjects.call_all(cid),
-        deliver_policy=DeliverPolicy.ALL,
-        ack_policy=AckPolicy.NONE,
-        inactive_threshold=10.0,
-        mem_storage=True,
-    )
-    info = await js.add_consumer(subjects.STREAM, cfg)
-    pending = info.num_pending or 0
-    sub = await js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
-    try:
-        while pending > 0:
-            try:
-                msgs = await sub.fetch(min(pending, 512), timeout=2.0)
-            except (TimeoutError, NatsTimeout):
-                return
-            for m in msgs:
-                pending = m.metadata.num_pending
-                yield m.subject, wire.decode(await payloads.body(m))
-    finally:
-        await sub.unsubscribe()
-        try:
-            await js.delete_consumer(subjects.STREAM, info.name)
-        except Exception:
-            pass
+    async for subject, data in bus.read_stored(js, bus.Payloads(nc, js, config), [subjects.call_all(cid)]):
+        yield subject, wire.decode(data)
 
 
 def summarize(msg: wire.AnyMsg) -> dict[str, Any]:

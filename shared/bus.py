@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import ssl
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
 from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -89,9 +102,6 @@ async def ensure_buckets(js: JetStreamContext, config: ServingConfig, names: lis
 async def close(nc: Client, timeout: float = 2.0) -> None:
     """Flush what is written, then close. (nats-py's drain waits up to 30 s on the KV
     watchers' consumers; nothing here needs drain: unacked work is redelivered.)"""
-    import asyncio
-    import contextlib
-
     with contextlib.suppress(Exception, asyncio.TimeoutError):
         await asyncio.wait_for(nc.flush(), timeout)
     with contextlib.suppress(Exception):
@@ -156,3 +166,38 @@ class Payloads:
             return bytes(msg.data)
         result = await (await self._bucket()).get(name)
         return bytes(result.data or b"")
+
+
+async def read_stored(js: JetStreamContext, payloads: Payloads, filters: list[str]) -> AsyncIterator[tuple[str, bytes]]:
+    """Every message the stream holds on `filters`, oldest first: (subject, body).
+
+    One ephemeral consumer, read to the end and deleted: the catch-up read of workers,
+    the frontend's recovery of lost outputs and `duplexbus replay` all use it.
+    """
+    cfg = ConsumerConfig(
+        filter_subjects=filters,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=30.0,
+        mem_storage=True,
+    )
+    info = await js.add_consumer(subjects.STREAM, cfg)
+    pending = info.num_pending or 0
+    try:
+        if pending == 0:
+            return
+        sub = await js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
+        try:
+            while pending > 0:
+                try:
+                    msgs = await sub.fetch(min(pending, 512), timeout=2.0)
+                except (NatsTimeoutError, TimeoutError):
+                    return
+                for m in msgs:
+                    pending = m.metadata.num_pending
+                    yield m.subject, await payloads.body(m)
+        finally:
+            await sub.unsubscribe()
+    finally:
+        with contextlib.suppress(Exception):
+            await js.delete_consumer(subjects.STREAM, info.name)

@@ -54,13 +54,13 @@ async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
     real = svc._handle_data
     dropped: list[int] = []
 
-    async def lossy(m: Any, live: bool) -> None:
+    async def lossy(subject: str, data: bytes, live: bool) -> None:
         # the live subscription loses item 5 of the client stream, once
-        if live and m.subject.endswith(".in.audio_in") and not dropped:
-            if wire.decode_as(m.data, wire.InputItem).seq == 5:
+        if live and subject.endswith(".in.audio_in") and not dropped:
+            if wire.decode_as(data, wire.InputItem).seq == 5:
                 dropped.append(5)
                 return
-        await real(m, live)
+        await real(subject, data, live)
 
     svc._handle_data = lossy  # type: ignore[method-assign]
     stop = asyncio.Event()
@@ -100,3 +100,48 @@ async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
         stop.set()
         await asyncio.wait_for(task, 20)
         await nc.close()
+
+
+async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> None:
+    from duplexbus.services.frontend.protocol import Append, EndInput, Opening
+    from duplexbus.services.frontend.service import FrontendService
+    from duplexbus.shared.model import ClientFile, ClientInput
+    from tests.helpers import Stack
+
+    stack = Stack(nats_url, {"model": "echo"})
+    await stack.start(workers=[None], frontends=0)
+    fe = FrontendService(parse_config({"nats_url": nats_url, "model": "echo"}))
+    try:
+        await stack.wait_workers(1)
+        await fe.start()
+        await asyncio.wait_for(fe.ready.wait(), 20)
+        real = fe._on_out
+        dropped: list[int] = []
+
+        async def lossy(m: Any) -> None:  # the live subscription loses output 3, once
+            if not dropped and wire.decode_as(m.data, wire.OutputMsg).seq == 3:
+                dropped.append(3)
+                return
+            await real(m)
+
+        fe._on_out = lossy  # type: ignore[method-assign]
+        got: list[Any] = []
+        finished = asyncio.Event()
+
+        def sink(msg: Any) -> None:
+            got.append(msg)
+            if isinstance(msg, dict) and ("finish" in msg or "error" in msg):
+                finished.set()
+
+        samples = np.arange(10 * 1280, dtype=np.int64).astype("<i2")
+        call = await fe.open_call(Opening("lossy", "echo", ClientInput()), sink, object())
+        await fe.append(call, Append("lossy", ClientInput(files=[ClientFile("a.pcm", samples.tobytes())])))
+        await fe.end_input(call, EndInput("lossy", True))
+        await asyncio.wait_for(finished.wait(), 15)
+        outputs = [json.loads(m)["output"]["frame"] for m in got if isinstance(m, str)]
+        assert dropped == [3]
+        assert outputs == list(range(10))  # output 3 came back from the stream, in order
+        assert "finish" in got[-1]
+    finally:
+        await fe.close(drain_s=0)
+        stack.stop()

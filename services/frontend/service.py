@@ -52,7 +52,8 @@ def to_json(msg: ClientMessage) -> str:
     return msg if isinstance(msg, str) else msgspec.json.encode(msg).decode()
 
 
-OUTPUT_GRACE_S = 2.0  # after a fin, how long to wait for outputs still in flight
+OUTPUT_RECOVER_S = 0.3  # an output missing this long (after a gap or a fin) is read from the stream
+OUTPUT_GRACE_S = 3.0  # after a fin, how long to wait for the outputs it counts before finishing anyway
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Call:
     subs: list[Subscription] = field(default_factory=list)
     next_out: dict[str, int] = field(default_factory=dict)  # partition -> next seq to relay
     held: dict[tuple[str, int], bytes] = field(default_factory=dict)  # arrived ahead of a gap
+    gap_since: float | None = None  # when the oldest held output started waiting
+    recovering: bool = False
     fin: wire.Fin | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -92,6 +95,7 @@ class FrontendService:
         self.rids: KeyValue | None = None
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
         # Load the served model and check the config's client_streams against it now, so a
@@ -294,8 +298,12 @@ class FrontendService:
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is None:
             return
+        await self._accept_output(call, await self.payloads.body(m))
+
+    async def _accept_output(self, call: Call, body: bytes) -> None:
+        """Relay in per-partition seq order; hold what comes ahead of a gap; drop repeats."""
         try:
-            o = wire.decode_as(await self.payloads.body(m), wire.OutputMsg)
+            o = wire.decode_as(body, wire.OutputMsg)
         except DuplexError:
             return
         nxt = call.next_out.get(o.partition, 0)
@@ -304,6 +312,7 @@ class FrontendService:
         if o.seq > nxt:
             if len(call.held) < 10_000:
                 call.held[(o.partition, o.seq)] = o.json
+                call.gap_since = call.gap_since or time.monotonic()
             return
         call.relay_output(o.json)
         nxt += 1
@@ -311,8 +320,31 @@ class FrontendService:
             call.relay_output(call.held.pop((o.partition, nxt)))
             nxt += 1
         call.next_out[o.partition] = nxt
+        if not call.held:
+            call.gap_since = None
         if call.fin is not None and self._all_outputs(call):
             await self._finish(call)
+
+    def _recover_outputs(self, call: Call) -> None:
+        """Outputs lost in transit (a gap, or fewer than the fin counts): every output is in
+        the stream, so read the call's outputs again and relay the missing ones."""
+        if call.recovering or call.cid not in self.calls:
+            return
+        call.recovering = True
+
+        async def recover() -> None:
+            assert self.js is not None
+            try:
+                async for _, body in bus.read_stored(self.js, self.payloads, [subjects.out(call.cid)]):
+                    await self._accept_output(call, body)
+            except Exception:
+                log.exception("recovering the outputs of %s failed", call.cid)
+            finally:
+                call.recovering = False
+
+        task = asyncio.get_running_loop().create_task(recover())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_fin(self, m: Msg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
@@ -325,7 +357,9 @@ class FrontendService:
         if call.fin.status != 200 or self._all_outputs(call):
             await self._finish(call)
         else:
-            asyncio.get_running_loop().call_later(OUTPUT_GRACE_S, lambda: asyncio.ensure_future(self._finish(call)))
+            loop = asyncio.get_running_loop()
+            loop.call_later(OUTPUT_RECOVER_S, self._recover_outputs, call)
+            loop.call_later(OUTPUT_GRACE_S, lambda: asyncio.ensure_future(self._finish(call)))
 
     def _all_outputs(self, call: Call) -> bool:
         assert call.fin is not None
@@ -346,6 +380,8 @@ class FrontendService:
         now = time.monotonic()
         limit = self.config.request_timeout_s
         for call in list(self.calls.values()):
+            if call.gap_since is not None and now - call.gap_since > OUTPUT_RECOVER_S:
+                self._recover_outputs(call)
             if call.input.state is InputState.OPEN and call.input.idle_for(now) > limit:
                 err = CallTimeout(f"no input for {limit:g}s (request_timeout_s)")
                 await self.abort(call, err.message, err.status, tell_client=True)

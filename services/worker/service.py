@@ -21,9 +21,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from duplexbus.models.registry import get_model
 from duplexbus.services.worker import engine as eng
@@ -223,35 +221,16 @@ class WorkerService:
     async def _catch_up(self, cid: str, edges: list[str]) -> None:
         """Read what the stream holds for the call's input subjects from the start."""
         assert self.js is not None
-        cfg = ConsumerConfig(
-            # abort and fin too: a call that ended before we subscribed must not hold a slot forever
-            filter_subjects=[f"call.{cid}.*.{e}" for e in edges] + [subjects.abort(cid), subjects.fin(cid)],
-            deliver_policy=DeliverPolicy.ALL,
-            ack_policy=AckPolicy.NONE,
-            inactive_threshold=30.0,
-            mem_storage=True,
-        )
+        # abort and fin too: a call that ended before we subscribed must not hold a slot forever
+        filters = [f"call.{cid}.*.{e}" for e in edges] + [subjects.abort(cid), subjects.fin(cid)]
         try:
-            info = await self.js.add_consumer(subjects.STREAM, cfg)
-            pending = info.num_pending or 0
-            if pending == 0:
-                await self.js.delete_consumer(subjects.STREAM, info.name)
-                return
-            sub = await self.js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
-            while pending > 0 and cid in self.calls:
-                try:
-                    msgs = await sub.fetch(min(pending, 512), timeout=2.0)
-                except (TimeoutError, NatsTimeout):
-                    break
-                for m in msgs:
-                    if subjects.parse(m.subject).kind in (subjects.ABORT, subjects.FIN):
-                        await self._forget(cid)
-                        break
-                    await self._handle_data(m, live=False)
-                    pending = m.metadata.num_pending
-            await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await self.js.delete_consumer(subjects.STREAM, info.name)
+            async for subject, data in bus.read_stored(self.js, self.payloads, filters):
+                if cid not in self.calls:
+                    return
+                if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
+                    await self._forget(cid)
+                    return
+                await self._handle_data(subject, data, live=False)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -288,14 +267,14 @@ class WorkerService:
 
     # -- data ----------------------------------------------------------------
     async def _on_data(self, m: Msg) -> None:
-        await self._handle_data(m, live=True)
+        await self._handle_data(m.subject, await self.payloads.body(m), live=True)
 
-    async def _handle_data(self, m: Msg, live: bool) -> None:
+    async def _handle_data(self, subject: str, data: bytes, live: bool) -> None:
         try:
-            s = subjects.parse(m.subject)
-            msg = wire.decode(await self.payloads.body(m))
+            s = subjects.parse(subject)
+            msg = wire.decode(data)
         except (ValueError, DuplexError):
-            log.warning("dropping undecodable message on %s", m.subject)
+            log.warning("dropping undecodable message on %s", subject)
             return
         if s.edge is None or s.edge not in self.consumer_of:
             return
