@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import subprocess
 import sys
@@ -141,3 +142,24 @@ async def test_call_cli_round_trip(stack: Stack, tmp_path) -> None:
         got = w.readframes(w.getnframes())
     assert got == padded(samples)
     assert "finish" in proc.stderr
+
+
+async def test_finish_names_the_call_and_replay_prints_it(stack: Stack) -> None:
+    samples = (np.arange(3 * FRAME) % 500).astype("<i2")
+    ws = await WS.connect(stack.ws_url())
+    await ws.send({"request_id": "replayme", "files": [pcm_file(samples)], "end_input": True})
+    final = await ws.final("replayme")
+    await ws.close()
+    call_id = final["finish"]["call_id"]
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "duplexbus.cli", "replay", call_id, "--nats-url", stack.nats_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    kinds = [json.loads(line)["subject"].split(".")[2] for line in proc.stdout.splitlines()]
+    # the opening's items are published before the open, which counts them
+    assert kinds.count("open") == 1 and kinds.count("in") == 3 and kinds.count("out") == 3
+    assert kinds.count("edge") == 3 and kinds.count("done") == 2 and kinds[-1] == "fin"

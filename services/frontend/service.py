@@ -372,7 +372,7 @@ class FrontendService:
         if fin.status == 200:
             if not self._all_outputs(call):
                 log.warning("call %s finished with outputs missing", call.cid)
-            await self._cleanup(call, {"finish": {"reason": fin.reason, "usage": fin.usage}})
+            await self._cleanup(call, {"finish": {"reason": fin.reason, "usage": fin.usage, "call_id": call.cid}})
         else:
             await self._cleanup(call, {"error": fin.error or fin.reason, "status": fin.status})
 
