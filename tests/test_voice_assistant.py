@@ -29,6 +29,7 @@ from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, Voi
 from duplexbus.models.voice_assistant.audio import pcm16_from_b64, resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import (
     NOT_CAUGHT,
+    SAMPLE_SENTENCES,
     normalize,
     reply_text,
     split_pieces,
@@ -38,16 +39,7 @@ from duplexbus.shared.audio import encode_wav
 from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
 from duplexbus.shared.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 
-WER_SENTENCES = [
-    "the weather is nice today",
-    "please call my mother tomorrow morning",
-    "what time is it",
-    "i would like a cup of coffee",
-    "turn off the lights in the kitchen",
-    "how far is the airport from here",
-    "send a message to my brother",
-    "play some music in the living room",
-]
+WER_SENTENCES = SAMPLE_SENTENCES
 # Measured on this machine: WER 0.163 (8 errors / 49 words) with CLIP_SEED below, the
 # same on every run; the bound leaves room for another onnxruntime / pocketsphinx build.
 WER_BOUND = 0.30
@@ -315,9 +307,7 @@ def test_word_error_rate_over_synthesized_clips(wer_run: Sim) -> None:
     assert wer <= WER_BOUND
 
 
-def test_two_turns_get_two_replies(
-    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict
-) -> None:
+def test_two_turns_get_two_replies(model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict) -> None:
     a, b = speech["the weather is nice today"], speech["send a message to my brother"]
     # Input ends 0.3 s after the second sentence: the Listener closes that turn at end of input.
     sim = Sim(model, parts, clock)

