@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import nats
@@ -40,7 +40,9 @@ BUCKETS: dict[str, dict[str, Any]] = {
 }
 
 
-async def connect(config: ServingConfig, name: str) -> Client:
+async def connect(config: ServingConfig, name: str, reconnected: Callable[[], Awaitable[None]] | None = None) -> Client:
+    """`reconnected` runs after each reconnect: core subscriptions missed what was published
+    meanwhile, and the caller reads it from the stream."""
     if not config.nats_url:
         raise RuntimeError("no NATS URL: set NATS_URL or nats_url in the config")
     opts: dict[str, Any] = {
@@ -50,6 +52,8 @@ async def connect(config: ServingConfig, name: str) -> Client:
         "reconnect_time_wait": 0.5,
         "pending_size": 64 * 1024 * 1024,
     }
+    if reconnected is not None:
+        opts["reconnected_cb"] = reconnected
     if config.nats_creds:
         opts["user_credentials"] = config.nats_creds
     if config.nats_tls:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import time
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -164,26 +166,47 @@ class ConductorService:
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
 
     async def _watch(self, bucket: str) -> None:
-        """Liveness from heartbeats: a put is a sign of life, a delete is a clean exit."""
+        """Liveness from heartbeats: a put is a sign of life (as of when the server stored it),
+        a delete is a clean exit. Heartbeats come every heartbeat_s, so a watch that stays
+        silent longer may have died with a server restart: it is replaced, and replayed
+        entries carry their stored time, so an old heartbeat does not revive a dead process."""
         kv = self.kv[bucket]
-        watcher = await kv.watchall()
         seen = self._seen[bucket]
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                if seen.pop(entry.key, None) is not None:
-                    await self.events.put((_lost(bucket, entry.key), None))
-                continue
-            seen[entry.key] = time.monotonic()
-            if bucket == subjects.KV_WORKERS:
-                with contextlib.suppress(DuplexError):
-                    await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
+        silence = max(3 * self.config.heartbeat_s, self.config.liveness_s / 2)
+        while True:
+            watcher = await kv.watchall()
+            try:
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=silence)
+                    except NatsTimeout:
+                        break
+                    if entry is not None:
+                        await self._heartbeat_entry(bucket, seen, entry)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+
+    async def _heartbeat_entry(self, bucket: str, seen: dict[str, float], entry: Any) -> None:
+        if entry.operation in ("DEL", "PURGE"):
+            if seen.pop(entry.key, None) is not None:
+                log.warning("%s %s left (%s)", bucket, entry.key, entry.operation)
+                await self.events.put((_lost(bucket, entry.key), None))
+            return
+        if not entry.value:
+            return
+        stored = _wall_time(entry.created)
+        if stored < seen.get(entry.key, 0.0):
+            return  # a replayed, older heartbeat
+        seen[entry.key] = stored
+        if bucket == subjects.KV_WORKERS:
+            with contextlib.suppress(DuplexError):
+                await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
 
     async def _ticks(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            now = time.monotonic()
+            now = time.time()
             for bucket, seen in self._seen.items():
                 for key, last in list(seen.items()):
                     if now - last > self.config.liveness_s:
@@ -191,6 +214,15 @@ class ConductorService:
                         log.warning("%s %s stopped heartbeating", bucket, key)
                         await self.events.put((_lost(bucket, key), None))
             await self.events.put((core.Tick(time.time()), None))
+
+
+def _wall_time(created: Any) -> float:
+    """When the server stored a KV entry (nats-py gives a datetime or nanoseconds), else now."""
+    if isinstance(created, datetime.datetime):
+        return created.timestamp()
+    if isinstance(created, int | float) and created > 0:
+        return created / 1e9 if created > 1e12 else float(created)
+    return time.time()
 
 
 def _lost(bucket: str, key: str) -> core.Event:

@@ -107,7 +107,7 @@ class FrontendService:
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await bus.connect(self.config, f"duplexbus-{self.frontend_id}")
+        self.nc = await bus.connect(self.config, f"duplexbus-{self.frontend_id}", reconnected=self._on_reconnect)
         self.js = self.nc.jetstream()
         self.payloads = bus.Payloads(self.nc, self.js, self.config)
         await bus.ensure_stream(self.js, self.config)
@@ -325,6 +325,12 @@ class FrontendService:
         if call.fin is not None and self._all_outputs(call):
             await self._finish(call)
 
+    async def _on_reconnect(self) -> None:
+        """Outputs and fins published while we were disconnected: read them from the stream."""
+        log.warning("reconnected to NATS: recovering the outputs of %d calls", len(self.calls))
+        for call in list(self.calls.values()):
+            self._recover_outputs(call)
+
     def _recover_outputs(self, call: Call) -> None:
         """Outputs lost in transit (a gap, or fewer than the fin counts): every output is in
         the stream, so read the call's outputs again and relay the missing ones."""
@@ -335,8 +341,12 @@ class FrontendService:
         async def recover() -> None:
             assert self.js is not None
             try:
-                async for _, body in bus.read_stored(self.js, self.payloads, [subjects.out(call.cid)]):
-                    await self._accept_output(call, body)
+                filters = [subjects.out(call.cid), subjects.fin(call.cid)]
+                async for subject, body in bus.read_stored(self.js, self.payloads, filters):
+                    if subjects.parse(subject).kind == subjects.FIN:
+                        await self._accept_fin(call, body)
+                    else:
+                        await self._accept_output(call, body)
             except Exception:
                 log.exception("recovering the outputs of %s failed", call.cid)
             finally:
@@ -348,10 +358,14 @@ class FrontendService:
 
     async def _on_fin(self, m: Msg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
-        if call is None or call.fin is not None:
+        if call is not None:
+            await self._accept_fin(call, m.data)
+
+    async def _accept_fin(self, call: Call, body: bytes) -> None:
+        if call.fin is not None:
             return
         try:
-            call.fin = wire.decode_as(m.data, wire.Fin)
+            call.fin = wire.decode_as(body, wire.Fin)
         except DuplexError:
             return
         if call.fin.status != 200 or self._all_outputs(call):

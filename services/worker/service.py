@@ -98,7 +98,7 @@ class WorkerService:
         return min(bounds)
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await bus.connect(self.config, f"duplexbus-{self.worker_id}")
+        self.nc = await bus.connect(self.config, f"duplexbus-{self.worker_id}", reconnected=self._on_reconnect)
         self.js = self.nc.jetstream()
         self.payloads = bus.Payloads(self.nc, self.js, self.config)
         await bus.ensure_stream(self.js, self.config)
@@ -212,6 +212,15 @@ class WorkerService:
                 edges = [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
                 call.catchup = asyncio.get_running_loop().create_task(self._catch_up(cid, edges))
             seen = now
+
+    async def _on_reconnect(self) -> None:
+        """While disconnected the core subscriptions missed whatever was published: read every
+        call's input again from the stream (duplicates are dropped by seq)."""
+        log.warning("reconnected to NATS: reading %d calls' input from the stream", len(self.calls))
+        for cid, call in list(self.calls.items()):
+            if call.catchup is None or call.catchup.done():
+                edges = [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
+                call.catchup = asyncio.get_running_loop().create_task(self._catch_up(cid, edges))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         assert self.js is not None
