@@ -51,7 +51,6 @@ class ConductorService:
         self.js: JetStreamContext | None = None
         self.kv: dict[str, KeyValue] = {}
         self._seen: dict[str, dict[str, float]] = {subjects.KV_WORKERS: {}, subjects.KV_FRONTENDS: {}}
-        self.received = 0  # bus messages consumed, for the I-1 test and the conductor-load benchmark
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await bus.connect(self.config, "duplexbus-conductor")
@@ -100,7 +99,6 @@ class ConductorService:
             except (TimeoutError, NatsTimeout):
                 continue
             for m in msgs:
-                self.received += 1
                 try:
                     ev = _event_of(m.subject, await self.payloads.body(m))
                 except Exception:
