@@ -96,9 +96,7 @@ def test_make_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
             pytest.fail(f"make up did not stop on Ctrl-C:\n{out}")
     time.sleep(0.5)
     assert "stopped" in out
-    nats_url = next(
-        line.split(" on ")[1].split(",")[0] for line in out.splitlines() if "nats-server (embedded)" in line
-    )
+    nats_url = next(line.split(" on ")[1].split(",")[0] for line in out.splitlines() if "nats-server (embedded)" in line)
     assert not procs_mentioning(str(run_dir)), procs_mentioning(str(run_dir))
     # every child had NATS_URL set to the embedded server: none of them is left
     assert not procs_mentioning(f"NATS_URL={nats_url}"), procs_mentioning(nats_url)

@@ -41,9 +41,7 @@ async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
-        cfg = ConsumerConfig(
-            filter_subject="call.*.done.*", deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE
-        )
+        cfg = ConsumerConfig(filter_subject="call.*.done.*", deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
         info = await js.add_consumer(subjects.STREAM, cfg)
         sub = await js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
         out: Counter[tuple[str, str]] = Counter()
@@ -62,9 +60,7 @@ async def test_two_frontends_two_workers_per_partition(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
     cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", "echo", "--frontends", "2", "--workers", "2"]
     cmd += ["--port", str(port), "--run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         assert proc.stdout is not None
         first = await asyncio.to_thread(proc.stdout.readline)  # "nats-server (embedded) on URL, store ..."

@@ -111,9 +111,7 @@ class Talker(Partition):
         self.clock = clock or time.monotonic
         self.voice = load_voice()
         self.sample_rate = int(self.voice.config.sample_rate)
-        self.syn_config = SynthesisConfig(
-            noise_scale=noise_scale, noise_w_scale=noise_w_scale, length_scale=length_scale
-        )
+        self.syn_config = SynthesisConfig(noise_scale=noise_scale, noise_w_scale=noise_w_scale, length_scale=length_scale)
         self.lead_s = lead_s
         self.chunk = max(1, round(chunk_s * self.sample_rate))
         self.max_words = max_words
