@@ -26,6 +26,8 @@ system-deps:
 
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy -p duplexbus.shared -p duplexbus.services -p duplexbus.clients -p duplexbus.models -p duplexbus.cli -p duplexbus.supervisor
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
