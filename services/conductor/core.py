@@ -17,6 +17,7 @@ import msgspec
 
 from duplexbus.shared import wire
 from duplexbus.shared.config import ServingConfig
+from duplexbus.shared.states import checked
 
 KWARGS_INLINE_MAX = 64 * 1024  # larger model_kwargs are read by workers from the call's open message
 
@@ -167,9 +168,7 @@ class Call:
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
 
     def move(self, to: CallState) -> None:
-        if to not in _TRANSITIONS[self.state]:
-            raise RuntimeError(f"call {self.cid}: {self.state.value} -> {to.value} is not allowed")
-        self.state = to
+        self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
 
     def record(self) -> wire.CallRecord:
         return wire.CallRecord(

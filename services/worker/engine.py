@@ -18,6 +18,7 @@ from typing import Any
 from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
 from duplexbus.shared.errors import DuplexError, LimitExceeded, ProtocolError
 from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
+from duplexbus.shared.states import checked
 from duplexbus.shared.topology import PartitionTopology
 
 
@@ -87,9 +88,7 @@ class _Call:
     in_flight: bool = False  # part of the batch being stepped now
 
     def move(self, to: CallState) -> None:
-        if to not in _TRANSITIONS[self.state]:
-            raise RuntimeError(f"call {self.cid}: {self.state.value} -> {to.value} is not allowed")
-        self.state = to
+        self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
 
     @property
     def inputs_ended(self) -> bool:
