@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from duplexbus.shared.config import ServingConfig, load_config
@@ -17,20 +18,24 @@ def _config(args: argparse.Namespace) -> ServingConfig:
     return load_config(args.config, model=getattr(args, "model", None))
 
 
-async def _serve(run: object) -> None:
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    await run(stop)  # type: ignore[operator]
+def _serve(run: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """Run a service until SIGINT/SIGTERM, after freezing what start-up loaded out of the GC."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+        await run(stop)
+
+    tune_gc()
+    asyncio.run(main())
+    return 0
 
 
 def cmd_conductor(args: argparse.Namespace) -> int:
     from duplexbus.services.conductor.service import ConductorService
 
     setup_logging("conductor")
-    svc = ConductorService(_config(args))
-    tune_gc()
-    asyncio.run(_serve(svc.run))
-    return 0
+    return _serve(ConductorService(_config(args)).run)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -38,10 +43,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     setup_logging("worker")
     cfg = _config(args)
-    svc = WorkerService(cfg, cfg.model, args.partition or None)
-    tune_gc()
-    asyncio.run(_serve(svc.run))
-    return 0
+    return _serve(WorkerService(cfg, cfg.model, args.partition or None).run)
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
