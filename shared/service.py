@@ -8,7 +8,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from nats.js.kv import KeyValue
 
@@ -63,3 +64,27 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 20, 50)
+
+
+class TaskSet:
+    """Owns the tasks a service starts on the side (unsubscribing, catch-up reads, assignments):
+    each is referenced until it ends (asyncio keeps only weak references), and `close()`
+    cancels and awaits whatever is left."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

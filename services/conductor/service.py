@@ -25,6 +25,7 @@ from duplexbus.services.conductor import core
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import DuplexError
+from duplexbus.shared.service import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class ConductorService:
     def __init__(self, config: ServingConfig) -> None:
         self.config = config
         self.core = core.Conductor(config)
+        self.tasks = TaskSet()  # assignments waiting for a worker's reply
         self.events: asyncio.Queue[tuple[core.Event, Msg | None]] = asyncio.Queue(maxsize=10_000)
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
@@ -78,6 +80,7 @@ class ConductorService:
                 for t in tasks:
                     t.cancel()
         finally:
+            await self.tasks.close()
             await bus.close(self.nc)
 
     async def _restore(self) -> None:
@@ -125,7 +128,7 @@ class ConductorService:
         assert self.js is not None and self.nc is not None
         for a in actions:
             if isinstance(a, core.SendAssign):
-                asyncio.get_running_loop().create_task(self._assign(a))
+                self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
                 await self.js.publish(
                     subjects.fin(a.cid),

@@ -218,7 +218,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
                 error = f"the client was not reading its results ({SEND_QUEUE} messages waiting)"
                 buf.append({"request_id": msg.request_id, "error": error, "status": 503})
                 if opened:
-                    asyncio.get_running_loop().create_task(svc.abort(opened[0], error, 503))
+                    svc.tasks.spawn(svc.abort(opened[0], error, 503))
             else:
                 buf.append(m)
             more.set()

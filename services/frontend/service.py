@@ -37,7 +37,7 @@ from duplexbus.shared.errors import (
     ProtocolError,
 )
 from duplexbus.shared.model import Model
-from duplexbus.shared.service import delete_quietly, every, heartbeat
+from duplexbus.shared.service import TaskSet, delete_quietly, every, heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class FrontendService:
         self.rids: KeyValue | None = None
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self.tasks = TaskSet()  # unsubscribing, output recovery, late finishes
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
         # Load the served model and check the config's client_streams against it now, so a
@@ -146,6 +146,7 @@ class FrontendService:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        await self.tasks.close()
         if self.js is not None:
             with contextlib.suppress(Exception):
                 fe = await self.js.key_value(subjects.KV_FRONTENDS)
@@ -285,7 +286,7 @@ class FrontendService:
         subs, call.subs = call.subs, []
         # In a task of its own: unsubscribing from inside that subscription's callback (a fin
         # or the last output) would cancel the callback itself.
-        asyncio.get_running_loop().create_task(self._unsubscribe(subs))
+        self.tasks.spawn(self._unsubscribe(subs))
 
     @staticmethod
     async def _unsubscribe(subs: list[Subscription]) -> None:
@@ -352,9 +353,7 @@ class FrontendService:
             finally:
                 call.recovering = False
 
-        task = asyncio.get_running_loop().create_task(recover())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.tasks.spawn(recover())
 
     async def _on_fin(self, m: Msg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
@@ -373,7 +372,7 @@ class FrontendService:
         else:
             loop = asyncio.get_running_loop()
             loop.call_later(OUTPUT_RECOVER_S, self._recover_outputs, call)
-            loop.call_later(OUTPUT_GRACE_S, lambda: asyncio.ensure_future(self._finish(call)))
+            loop.call_later(OUTPUT_GRACE_S, lambda: self.tasks.spawn(self._finish(call)))
 
     def _all_outputs(self, call: Call) -> bool:
         assert call.fin is not None

@@ -29,7 +29,7 @@ from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import DuplexError, Overloaded, WorkerFailed
 from duplexbus.shared.model import StepInput
-from duplexbus.shared.service import delete_quietly, heartbeat
+from duplexbus.shared.service import TaskSet, delete_quietly, heartbeat
 from duplexbus.shared.stats import Reservoir
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class WorkerService:
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self._accepting = True
-        self._cleanups: set[asyncio.Task[None]] = set()
+        self.tasks = TaskSet()
         self.repairs = 0  # catch-up reads started for items lost in transit
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
@@ -120,6 +120,7 @@ class WorkerService:
             repair.cancel()
             for t in steppers:
                 t.cancel()
+        await self.tasks.close()
         await bus.close(self.nc)
 
     def _heartbeat(self) -> bytes:
@@ -187,7 +188,7 @@ class WorkerService:
         call.subs.append(await self.nc.subscribe(subjects.abort(a.cid), cb=self._on_end))
         call.subs.append(await self.nc.subscribe(subjects.fin(a.cid), cb=self._on_end))
         await self.nc.flush()
-        call.catchup = asyncio.get_running_loop().create_task(self._catch_up(a.cid, edges))
+        self._start_catch_up(call)
         for p in mine:
             self.runners[p].wake.set()
 
@@ -205,22 +206,25 @@ class WorkerService:
                     now[cid] = now.get(cid, ()) + gaps
             for cid, gaps in now.items():
                 call = self.calls.get(cid)
-                if call is None or seen.get(cid) != gaps or (call.catchup is not None and not call.catchup.done()):
+                if call is None or seen.get(cid) != gaps:
                     continue
                 log.warning("call %s: items %s missing for %.1fs, reading them from the stream", cid, gaps, REPAIR_PERIOD_S)
                 self.repairs += 1
-                edges = [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
-                call.catchup = asyncio.get_running_loop().create_task(self._catch_up(cid, edges))
+                self._start_catch_up(call)
             seen = now
 
     async def _on_reconnect(self) -> None:
         """While disconnected the core subscriptions missed whatever was published: read every
         call's input again from the stream (duplicates are dropped by seq)."""
         log.warning("reconnected to NATS: reading %d calls' input from the stream", len(self.calls))
-        for cid, call in list(self.calls.items()):
-            if call.catchup is None or call.catchup.done():
-                edges = [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
-                call.catchup = asyncio.get_running_loop().create_task(self._catch_up(cid, edges))
+        for call in list(self.calls.values()):
+            self._start_catch_up(call)
+
+    def _start_catch_up(self, call: _Assigned) -> None:
+        """Read the call's input from the stream, unless such a read is already under way."""
+        if call.catchup is None or call.catchup.done():
+            edges = [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
+            call.catchup = self.tasks.spawn(self._catch_up(call.cid, edges))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         assert self.js is not None
@@ -318,9 +322,7 @@ class WorkerService:
     def _unsubscribe_later(self, call: _Assigned) -> None:
         """In a task of its own: this often runs inside one of the call's own subscription
         callbacks, and nats-py cancels a subscription's callback when it unsubscribes."""
-        task = asyncio.get_running_loop().create_task(self._unsubscribe(call))
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        self.tasks.spawn(self._unsubscribe(call))
 
     async def _unsubscribe(self, call: _Assigned) -> None:
         if call.catchup is not None and not call.catchup.done() and call.catchup is not asyncio.current_task():
