@@ -163,6 +163,12 @@ class Payloads:
         else:
             await self.nc.publish(subject, body, headers=headers)
 
+    async def publish_once(self, subject: str, body: bytes) -> None:
+        """A message a call has once (open, end of input, edge end, done, fin), stored with an ack.
+        Its subject is unique in the call, so it is also its `Nats-Msg-Id`: a republish after a
+        reconnect is deduplicated by the stream."""
+        await self.publish(subject, body, headers={"Nats-Msg-Id": subject}, ack=True)
+
     async def body(self, msg: Any) -> bytes:
         """The message's body, fetched from the Object Store when it was too large to carry."""
         name = msg.headers.get(PAYLOAD_HEADER) if msg.headers else None

@@ -106,11 +106,6 @@ CONDUCTOR_FILTERS = [
 ]
 
 
-def msg_id(cid: str, kind: str, edge_name: str, seq: int | str) -> str:
-    """`Nats-Msg-Id` so a republish after a reconnect is deduplicated by the stream."""
-    return f"{cid}.{kind}.{edge_name}.{seq}"
-
-
 @dataclass(frozen=True)
 class CallSubject:
     cid: str

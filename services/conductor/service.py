@@ -130,11 +130,7 @@ class ConductorService:
             if isinstance(a, core.SendAssign):
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
-                await self.js.publish(
-                    subjects.fin(a.cid),
-                    wire.encode(a.msg),
-                    headers={"Nats-Msg-Id": subjects.msg_id(a.cid, subjects.FIN, "-", 0)},
-                )
+                await self.payloads.publish_once(subjects.fin(a.cid), wire.encode(a.msg))
                 await self._release_request_id(a.request_id, a.cid)
             elif isinstance(a, core.PublishAbort):
                 await self.js.publish(subjects.abort(a.cid), wire.encode(a.msg))

@@ -192,7 +192,7 @@ class FrontendService:
             call.subs.append(await self.nc.subscribe(subjects.out(cid), cb=self._on_out))
             call.subs.append(await self.nc.subscribe(subjects.fin(cid), cb=self._on_fin))
             await self._publish_items(cid, prepared)
-            await self.payloads.publish(
+            await self.payloads.publish_once(
                 subjects.open_(cid),
                 wire.encode(
                     wire.Open(
@@ -206,8 +206,6 @@ class FrontendService:
                         live=live,
                     )
                 ),
-                headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.OPEN, "-", 0)},
-                ack=True,  # the open is stored before anything else happens
             )
             await self._publish_ends(cid, prepared)
         except BaseException:
@@ -253,13 +251,8 @@ class FrontendService:
             await self.payloads.publish(subjects.input_(cid, edge), body)
 
     async def _publish_ends(self, cid: str, p: Prepared) -> None:
-        assert self.js is not None
         for edge, total in p.ended.items():
-            await self.js.publish(
-                subjects.eoi(cid, edge),
-                wire.encode(wire.EndOfInput(total=total)),
-                headers={"Nats-Msg-Id": subjects.msg_id(cid, subjects.EOI, edge, 0)},
-            )
+            await self.payloads.publish_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)))
 
     async def abort(self, call: Call, reason: str, status: int, tell_client: bool = False) -> None:
         """End a call from this side (socket closed, timeout, refused append)."""

@@ -374,17 +374,10 @@ class WorkerService:
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
                 await self.payloads.publish(subjects.edge(a.cid, a.edge), body)
             elif isinstance(a, eng.PublishEdgeEnd):
-                await self.js.publish(
-                    subjects.edge_end(a.cid, a.edge),
-                    wire.encode(wire.EdgeEnd(total=a.total)),
-                    headers=_msg_id(a.cid, subjects.EDGE_END, a.edge, 0),
-                )
+                await self.payloads.publish_once(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
             elif isinstance(a, eng.PublishDone):
-                await self.js.publish(
-                    subjects.done(a.cid, partition),
-                    wire.encode(wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)),
-                    headers=_msg_id(a.cid, subjects.DONE, partition, 0),
-                )
+                done = wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
+                await self.payloads.publish_once(subjects.done(a.cid, partition), wire.encode(done))
                 await self._partition_finished(a.cid, partition)
             elif isinstance(a, eng.FailCall):
                 log.info("call %s failed in %s: %s", a.cid, partition, a.error.message)
@@ -400,7 +393,3 @@ class WorkerService:
         if all(cid not in self.runners[p].engine for p in call.partitions):
             self.calls.pop(cid, None)
             self._unsubscribe_later(call)
-
-
-def _msg_id(cid: str, kind: str, edge: str, seq: int) -> dict[str, str]:
-    return {"Nats-Msg-Id": subjects.msg_id(cid, kind, edge, seq)}
