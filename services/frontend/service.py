@@ -60,7 +60,6 @@ OUTPUT_GRACE_S = 3.0  # after a fin, how long to wait for the outputs it counts 
 class Call:
     cid: str
     request_id: str | None
-    model: str
     input: CallInput
     sink: Sink
     owner: object  # the socket (or request) that opened it
@@ -186,7 +185,7 @@ class FrontendService:
                 await self.rids.create(o.request_id, cid.encode())
             except KeyWrongLastSequenceError:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
-        call = Call(cid, o.request_id, model_name, inp, sink, owner, live)
+        call = Call(cid, o.request_id, inp, sink, owner, live)
         self.calls[cid] = call
         try:
             call.subs.append(await self.nc.subscribe(subjects.out(cid), cb=self._on_out))
