@@ -50,6 +50,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     import uvicorn
 
     from duplexbus.services.frontend.app import create_app
+    from duplexbus.services.frontend.websocket import FrontendWebSocketProtocol
 
     setup_logging("frontend")
     cfg = _config(args)
@@ -62,6 +63,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         app,
         host=host,
         port=port,
+        ws=FrontendWebSocketProtocol.with_send_buffer(int(cfg.max_send_buffer_mb * 1024 * 1024)),
         ws_max_size=ws_max,
         ws_per_message_deflate=False,  # compressing base64 audio costs CPU and saves little
         log_level="warning",

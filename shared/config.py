@@ -44,6 +44,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_message_mb: float = 16.0  # one WebSocket message
+    max_send_buffer_mb: float = 16.0  # output waiting for a client that does not read; past it the socket closes
     worker_slots: int = 512  # calls one worker takes at once
     max_batch: int = 64  # calls in one step
     step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
@@ -58,6 +59,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "request_timeout_s": self.request_timeout_s,
             "max_call_duration_s": self.max_call_duration_s,
             "max_message_mb": self.max_message_mb,
+            "max_send_buffer_mb": self.max_send_buffer_mb,
             "worker_slots": self.worker_slots,
             "max_batch": self.max_batch,
             "heartbeat_s": self.heartbeat_s,

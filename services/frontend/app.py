@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -27,27 +27,38 @@ from duplexbus.services.frontend.protocol import (
     valid_request_id,
 )
 from duplexbus.services.frontend.service import Call, ClientMessage, FrontendService, to_json
+from duplexbus.services.frontend.websocket import SEND_NOW
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import Conflict, DuplexError, LimitExceeded, ProtocolError
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
-SEND_QUEUE = 8192  # server -> client messages waiting for a slow socket; past it the socket is closed
+SEND_QUEUE = 8192  # server -> client messages waiting for a slow reader; past it the socket (or one-shot) ends
 NO_CALL = "no live call with this request_id on this socket (never opened here, or ended)"
 
 
 class SocketSession:
-    """One WebSocket: its calls (by request_id), a bounded send queue and its writer."""
+    """One WebSocket: its calls (by request_id) and the way messages go out to it.
+
+    Under the frontend's own protocol (`websocket.FrontendWebSocketProtocol`) a message is
+    handed to the connection at once, which bounds what waits for a slow client. Under
+    another ASGI server they go through a bounded queue and a writer task.
+    """
 
     def __init__(self, ws: WebSocket, service: FrontendService) -> None:
         self.ws = ws
         self.service = service
         self.calls: dict[str, Call] = {}
+        self.send_now: Callable[[str], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
         self.queue: asyncio.Queue[ClientMessage | None] = asyncio.Queue(SEND_QUEUE)
         self.overflowed = False
 
     def send(self, msg: ClientMessage) -> None:
+        if self.send_now is not None:
+            with contextlib.suppress(OSError):  # the socket is gone: its calls are being aborted
+                self.send_now(to_json(msg))
+            return
         try:
             self.queue.put_nowait(msg)
         except asyncio.QueueFull:
@@ -55,6 +66,8 @@ class SocketSession:
             self.overflowed = True
 
     async def writer(self) -> None:
+        if self.send_now is not None:
+            return
         while True:
             msg = await self.queue.get()
             if msg is None or self.overflowed:
