@@ -19,10 +19,11 @@ import base64
 import json
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
-import websockets
 
 from bench.stack import UpStack, machine
 from duplexbus.shared.stats import percentile
@@ -32,75 +33,186 @@ PERIOD = 0.08
 WARMUP_FRAMES = 12  # the first second of each call (its opening and placement) is reported apart
 
 
+TICK = 0.005  # a socket's due appends are written together, at most this late
+
+
+def ws_frame(payload: bytes, opcode: int = 0x1) -> bytes:
+    """A client WebSocket frame with a zero mask key (the payload goes as it is): the load
+    client builds each call's append once and writes it again and again."""
+    n = len(payload)
+    if n < 126:
+        head = bytes([0x80 | opcode, 0x80 | n])
+    elif n < 1 << 16:
+        head = bytes([0x80 | opcode, 0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head = bytes([0x80 | opcode, 0x80 | 127]) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+class _Frame(msgspec.Struct):
+    frame: int = -1
+
+
+class _Reply(msgspec.Struct):
+    """What the load client reads of a server message; the rest (the audio) is skipped unread."""
+
+    request_id: str | None = None
+    output: _Frame | None = None
+    finish: dict[str, Any] | None = None
+    error: str | None = None
+    append: bool | None = None
+
+
+class LoadSocket(asyncio.Protocol):
+    """A bare WebSocket client: a client of a serving system should cost the machine under
+    test as little as possible, and the `websockets` client costs about as much per message
+    as the frontend does. Server frames are parsed by hand; pings are answered."""
+
+    def __init__(self, on_text: Callable[[bytes], None]) -> None:
+        self.on_text = on_text
+        self.buf = bytearray()
+        self.open: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.open.done():
+            self.open.set_exception(ConnectionError(f"closed during the handshake: {exc}"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.open.done():
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            status = bytes(self.buf[:end]).split(b"\r\n", 1)[0]
+            del self.buf[: end + 4]
+            if b" 101 " not in status:
+                self.open.set_exception(ConnectionError(status.decode(errors="replace")))
+                return
+            self.open.set_result(None)
+        self._frames()
+
+    def _frames(self) -> None:
+        buf, at = self.buf, 0
+        while len(buf) - at >= 2:
+            opcode, n = buf[at] & 0x0F, buf[at + 1] & 0x7F
+            head = 2
+            if n == 126:
+                n, head = int.from_bytes(buf[at + 2 : at + 4], "big"), 4
+            elif n == 127:
+                n, head = int.from_bytes(buf[at + 2 : at + 10], "big"), 10
+            if len(buf) - at < head + n:
+                break
+            payload = bytes(buf[at + head : at + head + n])
+            at += head + n
+            if opcode == 0x1:
+                self.on_text(payload)
+            elif opcode == 0x9 and self.transport is not None:
+                self.transport.write(ws_frame(payload, 0xA))
+            elif opcode == 0x8 and self.transport is not None:
+                self.transport.close()
+        del buf[:at]
+
+
 async def socket_calls(
-    url: str, n: int, seconds: float, lags: list[float], warm: list[float], stats: dict[str, int], tag: str, ramp_s: float
+    host: str,
+    port: int,
+    n: int,
+    seconds: float,
+    lags: list[float],
+    warm: list[float],
+    stats: dict[str, Any],
+    tag: str,
+    ramp_s: float,
 ) -> None:
     """n live calls on one socket, each paced at one frame per 80 ms."""
-    frame = np.zeros(FRAME, dtype="<i2")
-    payload = base64.b64encode(frame.tobytes()).decode()
-    sent: dict[str, list[float]] = {}
+    loop = asyncio.get_running_loop()
+    decoder = msgspec.json.Decoder(_Reply)
+    frame = base64.b64encode(np.zeros(FRAME, dtype="<i2").tobytes()).decode()
+    rids = [f"{tag}-{i}" for i in range(n)]
+    sent: dict[str, list[float]] = {rid: [] for rid in rids}
     done = asyncio.Event()
-    finished = 0
     finals: set[str] = set()
-    async with websockets.connect(url, max_size=None, ping_interval=None, compression=None) as ws:
 
-        async def reader() -> None:
-            nonlocal finished
-            async for raw in ws:
-                m = json.loads(raw)
-                rid = m.get("request_id")
-                if "output" in m:
-                    k = m["output"]["frame"]
-                    t = sent[rid][k] if k < len(sent[rid]) else None
-                    if t is not None:
-                        (lags if k >= WARMUP_FRAMES else warm).append(time.monotonic() - t)
-                elif "finish" in m or "error" in m:
-                    if m.get("append"):
-                        stats["append_errors"] = stats.get("append_errors", 0) + 1
-                        stats.setdefault("last_error", m["error"])  # type: ignore[arg-type]
-                        continue
-                    finals.add(rid)
-                    stats["finished" if "finish" in m else "errors"] += 1
-                    if "error" in m:
-                        stats.setdefault("last_error", m["error"])  # type: ignore[arg-type]
-                    finished += 1
-                    if finished == n:
-                        done.set()
+    def on_text(payload: bytes) -> None:
+        m = decoder.decode(payload)
+        rid = m.request_id or ""
+        if m.output is not None:
+            k, times = m.output.frame, sent.get(rid, [])
+            if 0 <= k < len(times):
+                (lags if k >= WARMUP_FRAMES else warm).append(time.monotonic() - times[k])
+        elif m.error is not None and m.append:
+            stats["append_errors"] = stats.get("append_errors", 0) + 1
+            stats.setdefault("last_error", m.error)
+        elif m.finish is not None or m.error is not None:
+            finals.add(rid)
+            stats["finished" if m.finish is not None else "errors"] += 1
+            if m.error is not None:
+                stats.setdefault("last_error", m.error)
+            if len(finals) == n:
+                done.set()
 
-        async def one(i: int) -> None:
-            rid = f"{tag}-{i}"
-            sent[rid] = []
-            await asyncio.sleep(random.random() * max(PERIOD, ramp_s))  # calls arrive over the ramp
-            await ws.send(json.dumps({"request_id": rid}))
-            t0 = time.monotonic()
-            k = 0
-            while time.monotonic() - t0 < seconds:
-                sent[rid].append(time.monotonic())
-                await ws.send(json.dumps({"request_id": rid, "append": [{"name": "f.pcm", "data": payload}]}))
-                k += 1
-                await asyncio.sleep(max(0.0, t0 + k * PERIOD - time.monotonic()))
-            await ws.send(json.dumps({"request_id": rid, "end_input": True}))
-
-        rd = asyncio.create_task(reader())
-        await asyncio.gather(*(one(i) for i in range(n)))
+    transport, proto = await loop.create_connection(lambda: LoadSocket(on_text), host, port)
+    key = base64.b64encode(random.randbytes(16)).decode()
+    transport.write(
+        f"GET /generate/ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    await proto.open
+    opening = {rid: ws_frame(json.dumps({"request_id": rid}).encode()) for rid in rids}
+    append = {
+        rid: ws_frame(json.dumps({"request_id": rid, "append": [{"name": "f.pcm", "data": frame}]}).encode()) for rid in rids
+    }
+    end = {rid: ws_frame(json.dumps({"request_id": rid, "end_input": True}).encode()) for rid in rids}
+    now = loop.time()
+    due = {rid: now + random.random() * max(PERIOD, ramp_s) for rid in rids}  # calls arrive over the ramp
+    t0: dict[str, float] = {}
+    try:
+        while due:
+            now = loop.time()
+            out: list[bytes] = []
+            for rid, at in list(due.items()):
+                if now < at:
+                    continue
+                if rid not in t0:
+                    t0[rid] = now
+                    out.append(opening[rid])
+                k = len(sent[rid])
+                if now - t0[rid] < seconds:
+                    out.append(append[rid])
+                    sent[rid].append(time.monotonic())  # not loop.time(): uvloop's clock ticks in whole ms
+                    due[rid] = t0[rid] + (k + 1) * PERIOD
+                else:
+                    out.append(end[rid])
+                    del due[rid]
+            if out:
+                transport.write(b"".join(out))
+            await asyncio.sleep(TICK)
         try:
             await asyncio.wait_for(done.wait(), timeout=60)
         except TimeoutError:
-            stats["unfinished"] = stats.get("unfinished", 0) + n - finished
-            stats.setdefault("last_error", f"no finish for {sorted(set(sent) - finals)[:5]}")  # type: ignore[arg-type]
-        finally:
-            rd.cancel()
+            stats["unfinished"] = stats.get("unfinished", 0) + n - len(finals)
+            stats.setdefault("last_error", f"no finish for {sorted(set(rids) - finals)[:5]}")
+    finally:
+        transport.close()
 
 
 async def level(stack: UpStack, calls: int, seconds: float, per_socket: int, ramp_s: float) -> dict[str, Any]:
     await stack.worker_stats(reset=True)
     lags: list[float] = []
     warm: list[float] = []
-    stats = {"finished": 0, "errors": 0}
+    stats: dict[str, Any] = {"finished": 0, "errors": 0}
     sockets = max(1, -(-calls // per_socket))
     sizes = [calls // sockets + (1 if i < calls % sockets else 0) for i in range(sockets)]
     await asyncio.gather(
-        *(socket_calls(stack.ws_url(i), n, seconds, lags, warm, stats, f"s{i}", ramp_s) for i, n in enumerate(sizes) if n)
+        *(
+            socket_calls("127.0.0.1", stack.port + i % stack.frontends, n, seconds, lags, warm, stats, f"s{i}", ramp_s)
+            for i, n in enumerate(sizes)
+            if n
+        )
     )
     workers = await stack.worker_stats()
     dp = [w["data_path_ms"] for w in workers if w["data_path_ms"]["n"]]
