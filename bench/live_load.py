@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import random
 import time
 from collections.abc import Callable
@@ -202,6 +203,7 @@ async def socket_calls(
 
 async def level(stack: UpStack, calls: int, seconds: float, per_socket: int, ramp_s: float) -> dict[str, Any]:
     await stack.worker_stats(reset=True)
+    cpu0, t0 = stack.cpu_seconds(), time.monotonic()
     lags: list[float] = []
     warm: list[float] = []
     stats: dict[str, Any] = {"finished": 0, "errors": 0}
@@ -214,6 +216,7 @@ async def level(stack: UpStack, calls: int, seconds: float, per_socket: int, ram
             if n
         )
     )
+    cpu1, wall = stack.cpu_seconds(), time.monotonic() - t0
     workers = await stack.worker_stats()
     dp = [w["data_path_ms"] for w in workers if w["data_path_ms"]["n"]]
     # The data path is measured at the consuming worker of the client stream (the Encoder).
@@ -230,6 +233,7 @@ async def level(stack: UpStack, calls: int, seconds: float, per_socket: int, ram
         "first_second_lag_p99_ms": percentile([x * 1000 for x in warm], 99),
         "data_path_p50_ms": enc["data_path_ms"]["p50"] if dp else None,
         "data_path_p99_ms": enc["data_path_ms"]["p99"] if dp else None,
+        "cpu_percent": {k: round(100 * (v - cpu0.get(k, 0.0)) / wall) for k, v in cpu1.items()},
         "mean_batch_talker": next(
             (w["partitions"]["Talker"]["mean_batch"] for w in workers if "Talker" in w["partitions"]), None
         ),
@@ -265,6 +269,10 @@ async def main() -> None:
                 f"| {fmt(r['data_path_p99_ms'])} | {r['errors']} | {'yes' if r['real_time'] else 'no'} |",
                 flush=True,
             )
+    print("CPU, % of one core, over each level (the machine has " + f"{os.cpu_count()}" + " cores):")
+    for r in results:
+        cpu = r["cpu_percent"]
+        print(f"  {r['calls']} calls: total {sum(cpu.values())}%; " + ", ".join(f"{k} {v}%" for k, v in sorted(cpu.items())))
     for r in results:
         if r.get("last_error"):
             print(f"{r['calls']} calls: last error: {r['last_error']}")

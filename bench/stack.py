@@ -70,6 +70,33 @@ class UpStack:
         finally:
             await nc.close()
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of each process of the stack, and of this client."""
+        tick = os.sysconf("SC_CLK_TCK")
+        parent: dict[int, int] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        mine, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            mine.append(pid)
+            todo += [c for c, pp in parent.items() if pp == pid]
+        out: dict[str, float] = {}
+        for pid in mine:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            out[_role(argv)] = out.get(_role(argv), 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        t = os.times()
+        out["load client"] = t.user + t.system
+        return out
+
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -83,6 +110,18 @@ class UpStack:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def _role(argv: list[bytes]) -> str:
+    args = [a.decode(errors="replace") for a in argv if a]
+    if args and args[0].endswith("nats-server"):
+        return "nats-server"
+    for role in ("frontend", "conductor", "worker", "up"):
+        if role in args:
+            if role == "worker" and "--partition" in args:
+                return f"worker {args[args.index('--partition') + 1]}"
+            return role
+    return " ".join(args[:2])
 
 
 def machine() -> str:

@@ -240,3 +240,13 @@ def test_calls_without_input_are_stepped_at_most_every_tick() -> None:
     e.push("b", "in", 0, item(0))
     assert e.has_work(now=10.026)  # new input is never paced
     assert [s.cid for s in e.next_batch(now=10.026)] == ["b"]
+
+
+def test_echo_batch_energy_matches_one_frame_at_a_time() -> None:
+    from duplexbus.models.echo import frame_rms, frames_rms
+
+    rng = np.random.default_rng(3)
+    same = [rng.integers(-3000, 3000, 1280).astype("<i2") for _ in range(5)]
+    assert frames_rms(same) == pytest.approx([frame_rms(f) for f in same])
+    mixed = [*same, rng.integers(-3000, 3000, 100).astype("<i2"), np.zeros(0, dtype="<i2")]
+    assert frames_rms(mixed) == pytest.approx([frame_rms(f) for f in mixed])

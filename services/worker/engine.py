@@ -119,6 +119,9 @@ class Engine:
         # at most every tick_s, not in a tight loop.
         self.tick_s = tick_s
         self.partition = partition
+        # A partition that never wants a step without input (the default wants_step) has no
+        # paced or draining calls: skip the scans for them, which are O(calls) per step.
+        self._paced = type(partition).wants_step is not Partition.wants_step
         self.max_batch = max_batch
         self.buffer_capacity = buffer_capacity
         self.inputs = topology.inputs_of(partition_name)
@@ -228,7 +231,7 @@ class Engine:
                 out[cid] = call
             elif not call.in_flight:
                 del self._dirty[cid]  # drained; a push or end marks it again
-        if now >= self._next_idle_scan:
+        if self._paced and now >= self._next_idle_scan:
             self._next_idle_scan = now + self.tick_s / 2 if math.isfinite(now) else -math.inf
             for call in self._calls.values():
                 if call.cid not in out and self._idle_wants(call) and now - call.last_time >= self.tick_s:
@@ -237,6 +240,8 @@ class Engine:
 
     def next_due(self, now: float) -> float | None:
         """Seconds until some call is due a step without new input; None if none wants one."""
+        if not self._paced:
+            return None
         due = [c.last_time + self.tick_s - now for c in self._calls.values() if self._idle_wants(c)]
         return max(0.0, min(due)) if due else None
 
