@@ -251,11 +251,14 @@ async def main() -> None:
     ap.add_argument("--per-socket", type=int, default=25, help="calls sharing one client socket")
     ap.add_argument("--frontends", type=int, default=1)
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which the calls open (arrivals, not a burst)")
+    ap.add_argument("--step-window-ms", type=float, help="the workers' step_window_ms (the config default otherwise)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     levels = [int(x) for x in args.calls.split(",")]
     print(f"machine: {machine()}")
-    cfg = {"max_concurrent_requests": max(levels) + 10, "worker_slots": max(levels) + 10}
+    cfg: dict[str, Any] = {"max_concurrent_requests": max(levels) + 10, "worker_slots": max(levels) + 10}
+    if args.step_window_ms is not None:
+        cfg["step_window_ms"] = args.step_window_ms
     results = []
     with UpStack("echo", frontends=args.frontends, config=cfg) as stack:
         print("| live calls | frames | lag p50 ms | lag p99 ms | data path p50 ms | data path p99 ms | errors | real time |")

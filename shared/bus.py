@@ -11,6 +11,8 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -169,6 +171,11 @@ class Payloads:
         reconnect is deduplicated by the stream."""
         await self.publish(subject, body, headers={"Nats-Msg-Id": subject}, ack=True)
 
+    @staticmethod
+    def is_stored(msg: Any) -> bool:
+        """The body is in the Object Store (it was over max_payload); `body()` fetches it."""
+        return bool(msg.headers and msg.headers.get(PAYLOAD_HEADER))
+
     async def body(self, msg: Any) -> bytes:
         """The message's body, fetched from the Object Store when it was too large to carry."""
         name = msg.headers.get(PAYLOAD_HEADER) if msg.headers else None
@@ -211,3 +218,55 @@ async def read_stored(js: JetStreamContext, payloads: Payloads, filters: list[st
     finally:
         with contextlib.suppress(Exception):
             await js.delete_consumer(subjects.STREAM, info.name)
+
+
+class _Direct:
+    """Stands in for a subscription's message queue: each message goes to the handler at
+    once, from the client's read loop. The methods are those nats-py calls on the queue."""
+
+    def __init__(self, handler: Callable[[Msg], None], sub: Subscription) -> None:
+        self.handler = handler
+        self.sub = sub
+
+    def put_nowait(self, msg: Msg) -> None:
+        self.sub._pending_size -= len(msg.data)  # nothing waits: keep the slow-consumer check quiet
+        try:
+            self.handler(msg)
+        except Exception:  # as a callback's would be: logged, and the subscription goes on
+            log.exception("handling a message on %s failed", msg.subject)
+
+    def qsize(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    def task_done(self) -> None:
+        pass
+
+    async def join(self) -> None:
+        pass
+
+
+async def subscribe_direct(nc: Client, subject: str, handler: Callable[[Msg], None]) -> Subscription:
+    """A core subscription whose messages reach a plain function from the read loop.
+
+    nats-py gives each subscription a queue and a task, so every message costs a queue put,
+    a task switch and a coroutine; a worker or frontend with hundreds of live calls spends a
+    large part of its time on that. The handler must not block; it starts a task for any
+    work that awaits. Where the client's internals are not the ones this relies on, it falls
+    back to an ordinary callback subscription.
+    """
+
+    async def cb(msg: Msg) -> None:
+        handler(msg)
+
+    sub = await nc.subscribe(subject, cb=cb)
+    task = getattr(sub, "_wait_for_msgs_task", None)
+    queue = getattr(sub, "_pending_queue", None)
+    if isinstance(queue, asyncio.Queue) and isinstance(task, asyncio.Task):
+        task.cancel()
+        sub._pending_queue = _Direct(handler, sub)  # type: ignore[assignment]
+        while not queue.empty():  # anything that came in while subscribing
+            sub._pending_queue.put_nowait(queue.get_nowait())
+    return sub

@@ -51,18 +51,18 @@ def test_engine_lists_calls_waiting_on_a_lost_item() -> None:
 async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
     cfg = parse_config({"nats_url": nats_url, "model": "echo"})
     svc = WorkerService(cfg, "echo")
-    real = svc._handle_data
+    real = svc._take
     dropped: list[int] = []
 
-    async def lossy(subject: str, data: bytes, live: bool) -> None:
+    def lossy(subject: str, data: bytes, live: bool) -> Any:
         # the live subscription loses item 5 of the client stream, once
         if live and subject.endswith(".in.audio_in") and not dropped:
             if wire.decode_as(data, wire.InputItem).seq == 5:
                 dropped.append(5)
-                return
-        await real(subject, data, live)
+                return None
+        return real(subject, data, live)
 
-    svc._handle_data = lossy  # type: ignore[method-assign]
+    svc._take = lossy  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(svc.run(stop))
     nc = await bus.connect(cfg, "test-repair")
@@ -118,11 +118,11 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
         real = fe._on_out
         dropped: list[int] = []
 
-        async def lossy(m: Any) -> None:  # the live subscription loses output 3, once
+        def lossy(m: Any) -> None:  # the live subscription loses output 3, once
             if not dropped and wire.decode_as(m.data, wire.OutputMsg).seq == 3:
                 dropped.append(3)
                 return
-            await real(m)
+            real(m)
 
         fe._on_out = lossy  # type: ignore[method-assign]
         got: list[Any] = []

@@ -188,7 +188,7 @@ class FrontendService:
         call = Call(cid, o.request_id, inp, sink, owner, live)
         self.calls[cid] = call
         try:
-            call.subs.append(await self.nc.subscribe(subjects.out(cid), cb=self._on_out))
+            call.subs.append(await bus.subscribe_direct(self.nc, subjects.out(cid), self._on_out))
             call.subs.append(await self.nc.subscribe(subjects.fin(cid), cb=self._on_fin))
             await self._publish_items(cid, prepared)
             await self.payloads.publish_once(
@@ -287,26 +287,36 @@ class FrontendService:
                 await sub.unsubscribe()
 
     # -- from the bus ----------------------------------------------------------
-    async def _on_out(self, m: Msg) -> None:
+    def _on_out(self, m: Msg) -> None:
+        """Straight from the read loop (bus.subscribe_direct): an output goes to the socket
+        with no task in between; only a large one (in the Object Store) needs one."""
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is None:
             return
-        await self._accept_output(call, await self.payloads.body(m))
+        if self.payloads.is_stored(m):
+            self.tasks.spawn(self._accept_stored_output(call, m))
+        elif self._accept_output(call, m.data):
+            self.tasks.spawn(self._finish(call))
 
-    async def _accept_output(self, call: Call, body: bytes) -> None:
-        """Relay in per-partition seq order; hold what comes ahead of a gap; drop repeats."""
+    async def _accept_stored_output(self, call: Call, m: Msg) -> None:
+        if self._accept_output(call, await self.payloads.body(m)):
+            await self._finish(call)
+
+    def _accept_output(self, call: Call, body: bytes) -> bool:
+        """Relay in per-partition seq order; hold what comes ahead of a gap; drop repeats.
+        True when that was the last output the call's fin counts: it can finish now."""
         try:
             o = wire.decode_as(body, wire.OutputMsg)
         except DuplexError:
-            return
+            return False
         nxt = call.next_out.get(o.partition, 0)
         if o.seq < nxt:
-            return  # a replay after a worker was replaced
+            return False  # a replay after a worker was replaced
         if o.seq > nxt:
             if len(call.held) < 10_000:
                 call.held[(o.partition, o.seq)] = o.json
                 call.gap_since = call.gap_since or time.monotonic()
-            return
+            return False
         call.relay_output(o.json)
         nxt += 1
         while (o.partition, nxt) in call.held:
@@ -315,8 +325,7 @@ class FrontendService:
         call.next_out[o.partition] = nxt
         if not call.held:
             call.gap_since = None
-        if call.fin is not None and self._all_outputs(call):
-            await self._finish(call)
+        return call.fin is not None and self._all_outputs(call)
 
     async def _on_reconnect(self) -> None:
         """Outputs and fins published while we were disconnected: read them from the stream."""
@@ -339,7 +348,8 @@ class FrontendService:
                     if subjects.parse(subject).kind == subjects.FIN:
                         await self._accept_fin(call, body)
                     else:
-                        await self._accept_output(call, body)
+                        if self._accept_output(call, body):
+                            await self._finish(call)
             except Exception:
                 log.exception("recovering the outputs of %s failed", call.cid)
             finally:

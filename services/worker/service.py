@@ -184,7 +184,7 @@ class WorkerService:
         edges = [e for p in mine for e in self.runners[p].engine.input_edges()]
         for e in edges:
             # in+eoi for client edges, edge+edge_end for inter-partition ones: `*` spans both kinds.
-            call.subs.append(await self.nc.subscribe(f"call.{a.cid}.*.{e}", cb=self._on_data))
+            call.subs.append(await bus.subscribe_direct(self.nc, f"call.{a.cid}.*.{e}", self._on_data))
         call.subs.append(await self.nc.subscribe(subjects.abort(a.cid), cb=self._on_end))
         call.subs.append(await self.nc.subscribe(subjects.fin(a.cid), cb=self._on_end))
         await self.nc.flush()
@@ -279,18 +279,34 @@ class WorkerService:
             await msg.respond(json.dumps(body).encode())
 
     # -- data ----------------------------------------------------------------
-    async def _on_data(self, m: Msg) -> None:
+    def _on_data(self, m: Msg) -> None:
+        """Straight from the read loop (bus.subscribe_direct): most items only go into a
+        stream buffer and wake the step loop, with no task in between."""
+        if self.payloads.is_stored(m):
+            self.tasks.spawn(self._handle_stored(m))
+            return
+        taken = self._take(m.subject, m.data, live=True)
+        if taken is not None and taken[0]:
+            self.tasks.spawn(self._carry_out(*taken))
+
+    async def _handle_stored(self, m: Msg) -> None:
         await self._handle_data(m.subject, await self.payloads.body(m), live=True)
 
     async def _handle_data(self, subject: str, data: bytes, live: bool) -> None:
+        taken = self._take(subject, data, live)
+        if taken is not None and taken[0]:
+            await self._carry_out(*taken)
+
+    def _take(self, subject: str, data: bytes, live: bool) -> tuple[list[eng.Action], str] | None:
+        """Hand one item or end of stream to its engine: (actions to carry out, partition)."""
         try:
             s = subjects.parse(subject)
             msg = wire.decode(data)
         except (ValueError, DuplexError):
             log.warning("dropping undecodable message on %s", subject)
-            return
+            return None
         if s.edge is None or s.edge not in self.consumer_of:
-            return
+            return None
         r = self.runners[self.consumer_of[s.edge]]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
             if live and isinstance(msg, wire.InputItem) and msg.sent_ns:
@@ -299,10 +315,9 @@ class WorkerService:
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
             actions = r.engine.end(s.cid, s.edge, msg.total)
         else:
-            return
+            return None
         r.wake.set()
-        if actions:
-            await self._carry_out(actions, r.engine.name)
+        return actions, r.engine.name
 
     async def _on_end(self, m: Msg) -> None:
         """The call was aborted or finished elsewhere: forget it."""
