@@ -28,6 +28,7 @@ test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy -p duplexbus.shared -p duplexbus.services -p duplexbus.clients -p duplexbus.models -p duplexbus.cli -p duplexbus.supervisor
+	$(VENV)/bin/mypy bench tests
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
@@ -36,6 +37,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy -p duplexbus.shared -p duplexbus.services -p duplexbus.clients -p duplexbus.models -p duplexbus.cli -p duplexbus.supervisor
+	$(VENV)/bin/mypy bench tests
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import nats
 import numpy as np
@@ -110,7 +111,7 @@ async def test_conductor_messages_do_not_grow_with_appends(stack: Stack) -> None
     assert counts[0] <= 6, counts  # open, eoi, two dones
 
 
-async def test_call_cli_round_trip(stack: Stack, tmp_path) -> None:
+async def test_call_cli_round_trip(stack: Stack, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     samples = rng.integers(-20000, 20000, 16000 * 2 + 333).astype("<i2")
     wav = tmp_path / "in.wav"

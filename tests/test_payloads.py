@@ -6,9 +6,9 @@ import asyncio
 import base64
 import os
 
-import nats
 import numpy as np
 import pytest
+from nats.aio.msg import Msg
 
 from duplexbus.shared import bus, subjects
 from duplexbus.shared.config import parse_config
@@ -26,7 +26,7 @@ async def test_large_body_round_trip_through_the_object_store(nats_url: str) -> 
         small = b"small"
         got: asyncio.Queue[bytes] = asyncio.Queue()
 
-        async def cb(m: nats.aio.msg.Msg) -> None:
+        async def cb(m: Msg) -> None:
             await got.put(await payloads.body(m))
 
         await nc.subscribe("call.payloadtest.out", cb=cb)
