@@ -51,6 +51,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_s: float = 1.0
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
+    shutdown_drain_s: float = 10.0  # a stopping frontend or worker lets live calls end this long
 
     def __post_init__(self) -> None:
         positive = {
@@ -65,6 +66,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "heartbeat_s": self.heartbeat_s,
             "liveness_s": self.liveness_s,
             "placement_timeout_s": self.placement_timeout_s,
+            "shutdown_drain_s": self.shutdown_drain_s,
             "retention.max_age_s": self.retention.max_age_s,
             "retention.max_bytes": self.retention.max_bytes,
             "retention.replicas": self.retention.replicas,

@@ -203,7 +203,8 @@ async def running_stack(
     s = cls(nats_url, config)
     try:
         await s.start(workers=workers, frontends=frontends)
-        await s.wait_workers(len(workers) if workers is not None else 1)
+        if workers != []:
+            await s.wait_workers(len(workers) if workers is not None else 1)
         yield s
     finally:
         s.stop()

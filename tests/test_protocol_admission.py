@@ -13,6 +13,7 @@ import httpx
 import nats
 import numpy as np
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from duplexbus.services.conductor import core
 from duplexbus.shared import subjects, wire
@@ -40,7 +41,10 @@ async def call_records(nats_url: str) -> dict[str, wire.CallRecord]:
         except Exception:  # no keys
             return {}
         for k in keys:
-            e = await kv.get(k)
+            try:
+                e = await kv.get(k)
+            except KeyNotFoundError:  # deleted since it was listed: the call ended meanwhile
+                continue
             if e.value:
                 r = wire.decode_as(e.value, wire.CallRecord)
                 out[r.request_id] = r
@@ -170,6 +174,28 @@ async def test_closed_socket_aborts_its_calls_and_frees_their_slots(stack: Stack
     await end(other, "c1")
     await end(other, "c2")
     await other.close()
+
+
+async def test_post_client_that_goes_away_ends_its_call(stack: Stack, idle: None) -> None:
+    """A `POST /generate` client that leaves before its results: the call is dropped (here
+    while queued) and never takes a slot."""
+    ws = await WS.connect(stack.ws_url())
+    await admitted(ws, "l1")
+    await admitted(ws, "l2")
+    async with httpx.AsyncClient(base_url=stack.http_url(), timeout=10) as client:
+        body = {"request_id": "pq", "files": [pcm_file(frames(3, 6))]}
+        async with client.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            await until_records(stack.nats_url, lambda r: r.get("pq") is not None and r["pq"].state == "queued")
+        # out of the block: the connection is closed with the body unread
+    await until_records(stack.nats_url, lambda r: "pq" not in r)
+    await end(ws, "l1")
+    await until_records(stack.nats_url, lambda r: "l1" not in r)
+    await admitted(ws, "l3")  # the freed slot went to a new call, not to the one that left
+    assert set(await call_records(stack.nats_url)) == {"l2", "l3"}
+    await end(ws, "l2")
+    await end(ws, "l3")
+    await ws.close()
 
 
 def test_queued_one_shot_takes_a_freed_slot_before_the_next_heartbeat() -> None:

@@ -143,5 +143,5 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
         assert outputs == list(range(10))  # output 3 came back from the stream, in order
         assert "finish" in got[-1]
     finally:
-        await fe.close(drain_s=0)
+        await fe.close()
         stack.stop()

@@ -9,6 +9,7 @@ import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,7 +28,7 @@ from duplexbus.services.frontend.protocol import (
     valid_request_id,
 )
 from duplexbus.services.frontend.service import Call, ClientMessage, FrontendService, to_json
-from duplexbus.services.frontend.websocket import SEND_NOW
+from duplexbus.services.frontend.websocket import DRAIN, SEND_NOW
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import Conflict, DuplexError, LimitExceeded, ProtocolError
 
@@ -170,6 +171,23 @@ class SocketSession:
             await self.service.abort(call, "socket closed", 499)
 
 
+async def _abort_when_gone(request: Request, svc: FrontendService, call: Call) -> None:
+    """A `POST /generate` client that leaves ends its call. Under ASGI 2.4 Starlette notices
+    a client that left only when a send fails, and a one-shot that is queued, or whose model
+    is quiet, sends nothing for a while: so watch the connection (its body is read by now)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    _abort_soon(svc, call)
+
+
+def _abort_soon(svc: FrontendService, call: Call) -> None:
+    """Abort in a task of the service's own: the response's task may be in a cancelled
+    scope (Starlette cancels it when the client leaves), where every await is cancelled too,
+    and an abort cut short would leave the call, queued or running, to the conductor."""
+    if not call.ended.is_set():
+        svc.tasks.spawn(svc.abort(call, "client went away", 499))
+
+
 def create_app(config: ServingConfig, service: FrontendService | None = None) -> Starlette:
     svc = service or FrontendService(config)
 
@@ -241,6 +259,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         except DuplexError as e:
             return JSONResponse({"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status)
         opened.append(call)
+        watcher = svc.tasks.spawn(_abort_when_gone(request, svc, call))
 
         async def lines() -> AsyncIterator[bytes]:
             try:
@@ -253,8 +272,8 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
                     if isinstance(m, dict) and ("finish" in m or ("error" in m and "append" not in m)):
                         return
             finally:
-                if not call.ended.is_set():
-                    await svc.abort(call, "client went away", 499)
+                watcher.cancel()
+                _abort_soon(svc, call)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -272,10 +291,10 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         return JSONResponse({"service": "duplexbus", "ws": "/generate/ws"})
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         await svc.start()
         try:
-            yield
+            yield {DRAIN: svc.drain}  # the WebSocket protocol drains before it closes its socket
         finally:
             await svc.close()
 

@@ -93,6 +93,8 @@ class FrontendService:
         self.js: JetStreamContext | None = None
         self.rids: KeyValue | None = None
         self.ready = asyncio.Event()
+        self.stopping = False
+        self._drain_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.tasks = TaskSet()  # unsubscribing, output recovery, late finishes
         self._limits: dict[str, dict[str, int | None]] = {}
@@ -132,14 +134,28 @@ class FrontendService:
                 return
             await asyncio.sleep(0.2)
 
-    async def close(self, drain_s: float = 5.0) -> None:
-        """Stop intake (the app refuses new calls), let live calls end, then abort the rest."""
+    def drain(self) -> asyncio.Task[None]:
+        """Stop intake and let live calls end, for at most `shutdown_drain_s`; then end the
+        rest with 503 (told to their clients). One drain however often it is asked for: the
+        WebSocket connections ask when the server starts to stop, the lifespan at the end."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        return self._drain_task
+
+    async def _drain(self) -> None:
         self.ready.clear()
-        deadline = time.monotonic() + drain_s
+        self.stopping = True
+        deadline = time.monotonic() + self.config.shutdown_drain_s
         while self.calls and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.calls:
+            log.warning("ending %d calls still live after %.0f s of draining", len(self.calls), self.config.shutdown_drain_s)
         for call in list(self.calls.values()):
-            await self.abort(call, "frontend shutting down", 503)
+            await self.abort(call, "the frontend is stopping", 503, tell_client=True)
+
+    async def close(self) -> None:
+        """Stop intake, drain, then stop the side tasks and leave the bus."""
+        await self.drain()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -169,7 +185,7 @@ class FrontendService:
     async def open_call(self, o: Opening, sink: Sink, owner: object) -> Call:
         assert self.js is not None and self.nc is not None and self.rids is not None
         if not self.ready.is_set():
-            raise Overloaded("the frontend is starting or stopping")
+            raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
         model_name = o.model or self.default_model
         model = self.model(model_name)
         now = time.monotonic()

@@ -11,6 +11,7 @@ This protocol changes three things and nothing else:
 - Outgoing messages are written together: one transport write per event-loop turn. The
   app can send without awaiting (the `duplexbus.send_now` scope extension), so a call's
   output goes from the bus to the socket buffer in one callback, with no queue and task.
+- On shutdown the socket stays open while the app drains its calls (`DRAIN`).
 - Sending never waits on a slow client. A client that stops reading is disconnected once
   more than `max_send_buffer` bytes wait for it, and its calls are aborted as for any closed
   socket. Without this, a client that never reads would hold its calls (and
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_INBOUND = 256  # client messages read ahead of the app before reading pauses
 SEND_NOW = "duplexbus.send_now"  # ASGI scope extension: send a text message without awaiting
+DRAIN = "duplexbus.drain"  # lifespan state: starts (once) the app's drain, returns its task
 
 
 class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -72,6 +74,21 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.close_sent:  # accepted for the app: give it the direct send
             extensions = cast(dict[str, Any], self.scope["extensions"])
             extensions[SEND_NOW] = self.send_now
+
+    def shutdown(self) -> None:
+        """The server is stopping. uvicorn would close the socket at once (1012), aborting its
+        live calls; instead the app drains first (no new calls, live ones may end, the rest end
+        with 503), and the socket closes after that."""
+        drain = self.app_state.get(DRAIN)
+        if drain is None or self.close_sent or not self.handshake_complete or self.disconnected:
+            super().shutdown()
+            return
+        drain().add_done_callback(lambda _: self._shut_after_drain())
+
+    def _shut_after_drain(self) -> None:
+        self._flush()
+        if not self.disconnected:
+            super().shutdown()
 
     def handle_close(self, event: Any) -> None:
         self._flush()  # what was queued goes out before the reply to the client's close

@@ -116,7 +116,7 @@ class WorkerService:
             self._accepting = False
             hb.cancel()
             await delete_quietly(kv, self.worker_id)
-            await self._drain(timeout=10.0)
+            await self._drain(timeout=self.config.shutdown_drain_s)
             repair.cancel()
             for t in steppers:
                 t.cancel()
