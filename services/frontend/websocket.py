@@ -5,7 +5,7 @@ of milliseconds. uvicorn's protocol makes two system calls per message received 
 pauses reading after every message until the app takes it, then resumes) and one write
 per message sent. At a few thousand messages a second those system calls, and the
 context switches they cause on a loaded machine, cost more than the messages themselves.
-This protocol changes three things and nothing else:
+This protocol changes four things and nothing else:
 
 - Reading pauses only when `MAX_INBOUND` messages wait for the app (still bounded).
 - Outgoing messages are written together: one transport write per event-loop turn. The
@@ -20,6 +20,7 @@ This protocol changes three things and nothing else:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, cast
 
@@ -83,9 +84,11 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         if drain is None or self.close_sent or not self.handshake_complete or self.disconnected:
             super().shutdown()
             return
-        drain().add_done_callback(lambda _: self._shut_after_drain())
+        drain().add_done_callback(self._shut_after_drain)
 
-    def _shut_after_drain(self) -> None:
+    def _shut_after_drain(self, drained: asyncio.Future[None]) -> None:
+        if not drained.cancelled() and drained.exception() is not None:
+            log.error("draining failed; closing the socket", exc_info=drained.exception())
         self._flush()
         if not self.disconnected:
             super().shutdown()
