@@ -252,6 +252,13 @@ async def main() -> None:
     ap.add_argument("--frontends", type=int, default=1)
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which the calls open (arrivals, not a burst)")
     ap.add_argument("--step-window-ms", type=float, help="the workers' step_window_ms (the config default otherwise)")
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="the load client's niceness once the services are up: it shares the machine with the server under test, "
+        "and its wakeups should not delay the server's (0: same priority)",
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     levels = [int(x) for x in args.calls.split(",")]
@@ -261,6 +268,7 @@ async def main() -> None:
         cfg["step_window_ms"] = args.step_window_ms
     results = []
     with UpStack("echo", frontends=args.frontends, config=cfg) as stack:
+        os.nice(args.nice)  # the services were started before: they keep the normal priority
         print("| live calls | frames | lag p50 ms | lag p99 ms | data path p50 ms | data path p99 ms | errors | real time |")
         print("|---|---|---|---|---|---|---|---|")
         for n in levels:
