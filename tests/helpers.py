@@ -21,6 +21,7 @@ import nats
 import numpy as np
 import websockets
 import yaml
+from nats.js.errors import NoKeysError
 
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.embedded import free_port
@@ -164,11 +165,11 @@ class Stack:
             calls = await js.key_value(subjects.KV_CALLS)
             workers = await js.key_value(subjects.KV_WORKERS)
             pid_of = {}
-            for key in await workers.keys():
+            for key in await _keys(workers):
                 pid_of[key] = int(key.split("-")[1])  # worker ids are worker-{pid}-{random}
             name_of = {p.p.pid: name for name, p in self.procs.items()}
             out: dict[str, str] = {}
-            for key in await calls.keys():
+            for key in await _keys(calls):
                 rec = wire.decode_as((await calls.get(key)).value or b"", wire.CallRecord)
                 for part, wid in rec.placement.items():
                     out[part] = name_of[pid_of[wid]]
@@ -208,6 +209,15 @@ async def running_stack(
         yield s
     finally:
         s.stop()
+
+
+async def _keys(kv: Any) -> list[str]:
+    """A bucket's keys. Listing is a watch, which can come back empty on a busy server."""
+    for _ in range(20):
+        with contextlib.suppress(NoKeysError):
+            return list(await kv.keys())
+        await asyncio.sleep(0.1)
+    return []
 
 
 def _ready_pid(url: str) -> int | None:

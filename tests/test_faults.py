@@ -65,3 +65,37 @@ async def test_conductor_killed_mid_call_restarts_and_the_call_completes(stack: 
     outs = ws.outputs("steady")
     assert echo_bytes(outs) == samples.tobytes()
     await ws.close()
+
+
+async def test_partitions_moving_one_at_a_time_onto_one_worker(stack: Stack) -> None:
+    """A call's partitions can come to one worker one at a time: the Encoder's worker dies and
+    it moves to a worker that runs both partitions; then the Talker's worker dies and the
+    Talker joins it there (an assignment for a call the worker already has). From then on
+    the frames edge is delivered inside that process, and is still stored in the stream."""
+    await stack.start(workers=[["Encoder"], ["Talker"]])
+    await stack.wait_workers(2)
+    ws = await WS.connect(stack.ws_url())
+    samples = (np.arange(60 * FRAME) % 25000).astype("<i2")
+    await ws.send({"request_id": "mover"})
+    await stream_frames(ws, "mover", samples, 0, 20)
+    await ws.until(lambda m: "output" in m and m["output"]["frame"] >= 15, timeout=20, keep=True)
+    stack.start_worker("worker-both")  # every partition
+    await stack.wait_workers(3)
+    stack.procs["worker-0"].kill()  # the Encoder's
+    await stream_frames(ws, "mover", samples, 20, 40)
+    await ws.until(lambda m: "output" in m and m["output"]["frame"] >= 35, timeout=30, keep=True)
+    assert (await stack.workers_of_live_calls())["Encoder"] == "worker-both"
+    assert (await stack.workers_of_live_calls())["Talker"] == "worker-1"
+    stack.procs["worker-1"].kill()  # the Talker's
+    for _ in range(100):  # until the conductor has moved it (liveness_s)
+        if (await stack.workers_of_live_calls())["Talker"] == "worker-both":
+            break
+        await asyncio.sleep(0.1)
+    await stream_frames(ws, "mover", samples, 40, 60)
+    await ws.send({"request_id": "mover", "end_input": True})
+    final = await ws.final("mover", timeout=60)
+    assert "finish" in final, (final, stack.logs())
+    outs = ws.outputs("mover")
+    assert [o["frame"] for o in outs] == list(range(60))  # each frame once, in order
+    assert echo_bytes(outs) == samples.tobytes()
+    await ws.close()

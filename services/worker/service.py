@@ -78,6 +78,7 @@ class WorkerService:
             )
         # which partition consumes each edge this worker reads
         self.consumer_of = {c.edge_name: c.to_partition for c in topo.connections if c.to_partition in self.partitions}
+        self.producer_of = {c.edge_name: c.from_partition for c in topo.connections}
         self.calls: dict[str, _Assigned] = {}
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
@@ -158,14 +159,18 @@ class WorkerService:
             await msg.respond(wire.encode(reply))
 
     async def _assign(self, a: wire.Assign) -> None:
+        """Take the call's partitions that run here. A call may come back for more of its
+        partitions (another worker of one of them died and it was placed here): only the new
+        ones are added; an assignment repeated by the conductor changes nothing."""
         assert self.nc is not None
         if not self._accepting:
             raise Overloaded("worker is shutting down")
-        if a.cid in self.calls:
+        call = self.calls.get(a.cid)
+        mine = [p for p in a.partitions if p in self.runners and (call is None or p not in call.partitions)]
+        if call is not None and not mine:
             return
-        if self.load >= self.capacity:
+        if call is None and self.load >= self.capacity:
             raise Overloaded(f"worker {self.worker_id} is full ({self.capacity} calls)")
-        mine = [p for p in a.partitions if p in self.runners]
         kwargs = await self._kwargs_from_open(a.cid) if a.kwargs_in_open else a.model_kwargs
         added: list[str] = []
         try:
@@ -179,14 +184,16 @@ class WorkerService:
                 async with self.runners[p].lock:
                     self.runners[p].engine.drop_call(a.cid)
             raise
-        call = _Assigned(a.cid, mine)
-        self.calls[a.cid] = call
-        edges = [e for p in mine for e in self.runners[p].engine.input_edges()]
-        for e in edges:
+        if call is None:
+            call = self.calls[a.cid] = _Assigned(a.cid, [])
+            call.subs.append(await self.nc.subscribe(subjects.abort(a.cid), cb=self._on_end))
+            call.subs.append(await self.nc.subscribe(subjects.fin(a.cid), cb=self._on_end))
+        call.partitions += mine
+        for e in [e for p in mine for e in self.runners[p].engine.input_edges()]:
+            if self.producer_of.get(e) in call.partitions:
+                continue  # produced in this process: delivered here directly (_deliver_locally)
             # in+eoi for client edges, edge+edge_end for inter-partition ones: `*` spans both kinds.
             call.subs.append(await bus.subscribe_direct(self.nc, f"call.{a.cid}.*.{e}", self._on_data))
-        call.subs.append(await self.nc.subscribe(subjects.abort(a.cid), cb=self._on_end))
-        call.subs.append(await self.nc.subscribe(subjects.fin(a.cid), cb=self._on_end))
         await self.nc.flush()
         self._start_catch_up(call)
         for p in mine:
@@ -387,9 +394,13 @@ class WorkerService:
                 await self.payloads.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
-                await self.payloads.publish(subjects.edge(a.cid, a.edge), body)
+                await self.payloads.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
+                if (r := self._local_consumer(a.cid, a.edge)) is not None:
+                    await self._took_locally(r, r.engine.push(a.cid, a.edge, a.seq, a.item))
             elif isinstance(a, eng.PublishEdgeEnd):
                 await self.payloads.publish_once(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
+                if (r := self._local_consumer(a.cid, a.edge)) is not None:
+                    await self._took_locally(r, r.engine.end(a.cid, a.edge, a.total))
             elif isinstance(a, eng.PublishDone):
                 done = wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
                 await self.payloads.publish_once(subjects.done(a.cid, partition), wire.encode(done))
@@ -400,6 +411,21 @@ class WorkerService:
                     subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status))
                 )
                 await self._forget(a.cid)
+
+    def _local_consumer(self, cid: str, edge: str) -> _Runner | None:
+        """The runner of the edge's consumer partition where it runs the call in this process:
+        an edge item (or end) is then handed to it at once instead of through the bus, which
+        it also went to (so a replay, or a worker that takes over, reads it from the stream)."""
+        consumer = self.consumer_of.get(edge)
+        call = self.calls.get(cid)
+        if consumer is None or call is None or consumer not in call.partitions:
+            return None
+        return self.runners[consumer]
+
+    async def _took_locally(self, r: _Runner, actions: list[eng.Action]) -> None:
+        r.wake.set()
+        if actions:
+            await self._carry_out(actions, r.engine.name)
 
     async def _partition_finished(self, cid: str, partition: str) -> None:
         call = self.calls.get(cid)
