@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import nats
 import numpy as np
 import pytest
 
+from duplexbus.shared import subjects
 from tests.helpers import WS, Stack, echo_bytes, pcm, pcm_file, running_stack
 
 FRAME = 1280
@@ -444,3 +446,21 @@ async def test_post_generate_refuses_a_live_request_id(stack: Stack, ws: WS) -> 
         assert time.monotonic() - t < 10
     await finish(ws, "postdup", x)
     await asyncio.sleep(0)
+
+
+async def test_edge_between_partitions_in_one_worker_is_still_stored(stack: Stack, ws: WS) -> None:
+    """This stack's one worker runs both echo partitions, so the frames edge is delivered
+    inside the process; every edge item and its end are in the stream all the same."""
+    audio = samples(5 * FRAME, seed=9)
+    await ws.send({"request_id": "local-edge", "files": [pcm_file(audio)], "end_input": True})
+    final = await ws.final("local-edge")
+    assert echo_bytes(ws.outputs("local-edge")) == audio.tobytes()
+    nc = await nats.connect(stack.nats_url)
+    try:
+        cid = final["finish"]["call_id"]
+        info = await nc.jetstream().stream_info(subjects.STREAM, subjects_filter=f"call.{cid}.>")
+        held = info.state.subjects or {}
+        assert held.get(subjects.edge(cid, "frames")) == 5, held
+        assert held.get(subjects.edge_end(cid, "frames")) == 1, held
+    finally:
+        await nc.close()
