@@ -251,6 +251,7 @@ async def main() -> None:
     ap.add_argument("--per-socket", type=int, default=25, help="calls sharing one client socket")
     ap.add_argument("--frontends", type=int, default=1)
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which the calls open (arrivals, not a burst)")
+    ap.add_argument("--colocate", action="store_true", help="one worker process runs both partitions (up --colocate)")
     ap.add_argument("--step-window-ms", type=float, help="the workers' step_window_ms (the config default otherwise)")
     ap.add_argument(
         "--nice",
@@ -267,7 +268,7 @@ async def main() -> None:
     if args.step_window_ms is not None:
         cfg["step_window_ms"] = args.step_window_ms
     results = []
-    with UpStack("echo", frontends=args.frontends, config=cfg) as stack:
+    with UpStack("echo", frontends=args.frontends, config=cfg, colocate=args.colocate) as stack:
         os.nice(args.nice)  # the services were started before: they keep the normal priority
         print("| live calls | frames | lag p50 ms | lag p99 ms | data path p50 ms | data path p99 ms | errors | real time |")
         print("|---|---|---|---|---|---|---|---|")

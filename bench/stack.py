@@ -21,11 +21,14 @@ from duplexbus.shared.embedded import free_port
 
 
 class UpStack:
-    def __init__(self, model: str = "echo", frontends: int = 1, workers: int = 1, config: dict | None = None) -> None:
+    def __init__(
+        self, model: str = "echo", frontends: int = 1, workers: int = 1, config: dict | None = None, colocate: bool = False
+    ) -> None:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-"))
         cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", model, "--port", str(self.port)]
         cmd += ["--frontends", str(frontends), "--workers", str(workers), "--run-dir", str(self.dir / "run")]
+        cmd += ["--colocate"] if colocate else []
         if config:
             import yaml
 

@@ -92,6 +92,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         port=args.port or cfg.port,
         host=args.host or cfg.host,
         run_dir=Path(args.run_dir),
+        colocate=args.colocate,
     )
     return run_up(opts, partitions)
 
@@ -138,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="embedded NATS + conductor + workers + frontends, supervised")
     common(up)
     up.add_argument("--frontends", type=int, default=1)
-    up.add_argument("--workers", type=int, default=1, help="workers per partition")
+    up.add_argument("--workers", type=int, default=1, help="workers per partition (with --colocate: worker processes)")
+    up.add_argument(
+        "--colocate",
+        action="store_true",
+        help="each worker process runs every partition; the edges between them stay in the process (small machines)",
+    )
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--run-dir", default=".run")

@@ -70,15 +70,20 @@ class UpOptions:
     host: str
     run_dir: Path
     ready_timeout: float = 120.0
+    colocate: bool = False  # each worker process runs every partition
 
 
 def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
     py = [sys.executable, "-m", "duplexbus.cli"]
     common = (["--config", opts.config] if opts.config else []) + (["--model", opts.model] if opts.model else [])
     children = [Child("conductor", [*py, "conductor", *common], order=2)]
-    for p in partitions:
+    if opts.colocate:
         for i in range(opts.workers):
-            children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
+            children.append(Child(f"worker-{i}", [*py, "worker", *common], order=1))
+    else:
+        for p in partitions:
+            for i in range(opts.workers):
+                children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
     for i in range(opts.frontends):
         port = opts.port + i
         children.append(Child(f"frontend-{i}", [*py, "frontend", *common, "--host", opts.host, "--port", str(port)], order=0))
@@ -150,7 +155,7 @@ def run_up(opts: UpOptions, partitions: list[str]) -> int:
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
-        workers = len(partitions) * opts.workers
+        workers = opts.workers if opts.colocate else len(partitions) * opts.workers
         if wait_http(f"{url}/healthz", opts.ready_timeout, children) and wait_workers(
             env["NATS_URL"], workers, opts.ready_timeout, children
         ):

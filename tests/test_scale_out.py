@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nats
 import numpy as np
+import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from duplexbus.shared import subjects, wire
@@ -53,13 +54,16 @@ async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
         await nc.close()
 
 
-async def test_two_frontends_two_workers_per_partition(tmp_path: Path) -> None:
+@pytest.mark.parametrize("colocate", [False, True], ids=["worker-per-partition", "colocated"])
+async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate: bool) -> None:
+    """`up --frontends 2 --workers 2`: calls spread over both workers of each partition. With
+    `--colocate` the two worker processes each run both partitions."""
     port = free_port()
     while free_port() == port + 1:  # the second frontend takes port + 1
         pass
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
     cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", "echo", "--frontends", "2", "--workers", "2"]
-    cmd += ["--port", str(port), "--run-dir", str(tmp_path / "run")]
+    cmd += ["--port", str(port), "--run-dir", str(tmp_path / "run")] + (["--colocate"] if colocate else [])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         assert proc.stdout is not None
@@ -88,6 +92,8 @@ async def test_two_frontends_two_workers_per_partition(tmp_path: Path) -> None:
             per_worker = [n for (p, _), n in dones.items() if p == part]
             assert len(per_worker) == 2, dones  # both workers of the partition took calls
             assert sum(per_worker) == 16 and min(per_worker) >= 4, dones
+        workers_of = {part: {w for (p, w) in dones if p == part} for part in ("Encoder", "Talker")}
+        assert (workers_of["Encoder"] == workers_of["Talker"]) is colocate, dones
         for ws in sockets:
             await ws.close()
     finally:
