@@ -93,6 +93,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host or cfg.host,
         run_dir=Path(args.run_dir),
         colocate=args.colocate,
+        stop_timeout=cfg.shutdown_drain_s + 5.0,  # children drain for shutdown_drain_s before they exit
     )
     return run_up(opts, partitions)
 

@@ -71,6 +71,7 @@ class UpOptions:
     run_dir: Path
     ready_timeout: float = 120.0
     colocate: bool = False  # each worker process runs every partition
+    stop_timeout: float = 15.0  # per group of children; more than their shutdown_drain_s
 
 
 def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
@@ -176,7 +177,7 @@ def run_up(opts: UpOptions, partitions: list[str]) -> int:
                     c.start(env, log_dir)
             time.sleep(0.2)
     finally:
-        stop_all(children)
+        stop_all(children, opts.stop_timeout)
         if server is not None:
             server.stop()
         print("stopped", flush=True)
