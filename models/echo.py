@@ -8,10 +8,10 @@ inter-partition stream crosses the bus.
 
 from __future__ import annotations
 
-import binascii
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from duplexbus.shared.chunking import CatchUpChunkPolicy, Item
 from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
@@ -80,7 +80,7 @@ class Talker(Partition):
                 assert item.data is not None
                 i = self._frames[s.cid]
                 self._frames[s.cid] = i + 1
-                audio = binascii.b2a_base64(np.asarray(item.data, dtype="<i2").tobytes(), newline=False).decode()
+                audio = pybase64.b64encode(np.asarray(item.data, dtype="<i2").tobytes()).decode()
                 out.append(Output(s.cid, {"frame": i, "audio": audio, "rms": item.meta.get("rms", 0.0)}))
         return out
 

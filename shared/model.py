@@ -120,8 +120,11 @@ class Model(ABC):
 
     def default_stream(self) -> str | None:
         """The model's one audio stream, if it has exactly one."""
-        audio = [e for e, c in self.client_edges().items() if c.limits and c.limits.sample_rate]
-        return audio[0] if len(audio) == 1 else None
+        if "_default_stream" not in self.__dict__:  # computed once: asked for every file of every append
+            audio = [e for e, c in self.client_edges().items() if c.limits and c.limits.sample_rate]
+            self.__dict__["_default_stream"] = audio[0] if len(audio) == 1 else None
+        stream: str | None = self.__dict__["_default_stream"]
+        return stream
 
     def text_stream(self) -> str | None:
         return None

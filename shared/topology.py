@@ -64,7 +64,12 @@ class PartitionTopology:
                 raise ValueError(f"client edge {c.edge_name!r} needs ClientStreamLimits")
 
     def client_edges(self) -> dict[str, Connection]:
-        return {c.edge_name: c for c in self.connections if c.from_client}
+        """Client streams by edge name (built once: the frontend asks for every append)."""
+        edges: dict[str, Connection] | None = self.__dict__.get("_client_edges")
+        if edges is None:
+            edges = {c.edge_name: c for c in self.connections if c.from_client}
+            object.__setattr__(self, "_client_edges", edges)  # frozen: a cache, not state
+        return edges
 
     def inputs_of(self, partition: str) -> list[Connection]:
         return [c for c in self.connections if c.to_partition == partition]

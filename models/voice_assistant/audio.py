@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import base64
-
 import numpy as np
+import pybase64
 
 
 def resample(x: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
@@ -42,8 +41,8 @@ def frames(pcm: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def b64_pcm16(pcm: np.ndarray) -> str:
-    return base64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")
+    return pybase64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")
 
 
 def pcm16_from_b64(data: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(data), dtype="<i2").copy()
+    return np.frombuffer(pybase64.b64decode(data), dtype="<i2").copy()
