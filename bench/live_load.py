@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import heapq
 import json
 import os
 import random
@@ -169,15 +170,16 @@ async def socket_calls(
     }
     end = {rid: ws_frame(json.dumps({"request_id": rid, "end_input": True}).encode()) for rid in rids}
     now = loop.time()
-    due = {rid: now + random.random() * max(PERIOD, ramp_s) for rid in rids}  # calls arrive over the ramp
+    # (when, rid) of each call's next message, earliest first: a tick pops only what is due.
+    due = [(now + random.random() * max(PERIOD, ramp_s), rid) for rid in rids]  # calls arrive over the ramp
+    heapq.heapify(due)
     t0: dict[str, float] = {}
     try:
         while due:
             now = loop.time()
             out: list[bytes] = []
-            for rid, at in list(due.items()):
-                if now < at:
-                    continue
+            while due and due[0][0] <= now:
+                _, rid = heapq.heappop(due)
                 if rid not in t0:
                     t0[rid] = now
                     out.append(opening[rid])
@@ -185,10 +187,9 @@ async def socket_calls(
                 if now - t0[rid] < seconds:
                     out.append(append[rid])
                     sent[rid].append(time.monotonic())  # not loop.time(): uvloop's clock ticks in whole ms
-                    due[rid] = t0[rid] + (k + 1) * PERIOD
+                    heapq.heappush(due, (t0[rid] + (k + 1) * PERIOD, rid))
                 else:
                     out.append(end[rid])
-                    del due[rid]
             if out:
                 transport.write(b"".join(out))
             await asyncio.sleep(TICK)

@@ -72,12 +72,13 @@ class CallInput:
             raise BadRequest("the call's input has ended")
         ending, already = self._streams_to_end(end)
         data = self._process(inp, opening)
-        unknown = sorted(set(data) - set(self.edges))
-        if unknown:
+        if not data.keys() <= self.edges.keys():
+            unknown = sorted(set(data) - set(self.edges))
             raise BadRequest(f"the model routed input to unknown stream(s) {unknown}")
         out = Prepared(already_ended=already)
         live = {e: d for e, d in data.items() if e in self.open_streams}
-        out.late = sorted(e for e in data if e not in self.open_streams)
+        if len(live) < len(data):
+            out.late = sorted(e for e in data if e not in self.open_streams)
         has_content = bool(inp.text) or bool(inp.files)
         if not data and (has_content or (not opening and not ending and not already)):
             raise BadRequest(self._nothing_produced(inp))
@@ -94,7 +95,7 @@ class CallInput:
                 "max_call_input_mb",
                 f"the call's files would total {self.input_bytes + charged} bytes, over {mb:g} MiB",
             )
-        for edge in sorted(set(live) | set(ending)):
+        for edge in sorted(live.keys() | ending) if ending or len(live) > 1 else live:
             new = self._count(edge, live.get(edge), flush=edge in ending)
             limit = self.max_items.get(edge)
             if limit is not None and self.published[edge] + new > limit:
