@@ -26,26 +26,37 @@ async def stream_frames(ws: WS, rid: str, samples: np.ndarray, start: int, stop:
         await asyncio.sleep(0.01)
 
 
+async def call_under_way(stack: Stack, rid: str, samples: np.ndarray, sent: int, echoed: int) -> WS:
+    """A live call that has sent `sent` frames and had frame `echoed` back."""
+    ws = await WS.connect(stack.ws_url())
+    await ws.send({"request_id": rid})
+    await stream_frames(ws, rid, samples, 0, sent)
+    await ws.until(lambda m: "output" in m and m["output"]["frame"] >= echoed, timeout=20, keep=True)
+    return ws
+
+
+async def end_and_check_every_frame(ws: WS, stack: Stack, rid: str, samples: np.ndarray) -> None:
+    """End the call's input; it finishes with every frame echoed once, in order."""
+    await ws.send({"request_id": rid, "end_input": True})
+    final = await ws.final(rid, timeout=60)
+    assert "finish" in final, (final, stack.logs())
+    outs = ws.outputs(rid)
+    assert [o["frame"] for o in outs] == list(range(len(samples) // FRAME))  # each frame once, in order
+    assert echo_bytes(outs) == samples.tobytes()
+    await ws.close()
+
+
 @pytest.mark.parametrize("victim", ["Encoder", "Talker"])
 async def test_worker_killed_mid_call_is_replaced_and_the_call_completes(stack: Stack, victim: str) -> None:
     # two workers per partition: the victim's partition moves to its twin, which replays the call from the stream
     await stack.start(workers=[["Encoder"], ["Talker"], ["Encoder"], ["Talker"]])
     await stack.wait_workers(4)
-    ws = await WS.connect(stack.ws_url())
     samples = (np.arange(60 * FRAME) % 30000).astype("<i2")
-    await ws.send({"request_id": "survivor"})
-    await stream_frames(ws, "survivor", samples, 0, 30)
-    await ws.until(lambda m: "output" in m and m["output"]["frame"] >= 20, timeout=20, keep=True)
+    ws = await call_under_way(stack, "survivor", samples, sent=30, echoed=20)
     busy = await stack.workers_of_live_calls()
     stack.procs[busy[victim]].kill()
     await stream_frames(ws, "survivor", samples, 30, 60)
-    await ws.send({"request_id": "survivor", "end_input": True})
-    final = await ws.final("survivor", timeout=60)
-    assert "finish" in final, (final, stack.logs())
-    outs = ws.outputs("survivor")
-    assert [o["frame"] for o in outs] == list(range(60))  # each frame once, in order
-    assert echo_bytes(outs) == samples.tobytes()
-    await ws.close()
+    await end_and_check_every_frame(ws, stack, "survivor", samples)
 
 
 async def test_conductor_killed_mid_call_restarts_and_the_call_completes(stack: Stack) -> None:
@@ -74,11 +85,8 @@ async def test_partitions_moving_one_at_a_time_onto_one_worker(stack: Stack) -> 
     the frames edge is delivered inside that process, and is still stored in the stream."""
     await stack.start(workers=[["Encoder"], ["Talker"]])
     await stack.wait_workers(2)
-    ws = await WS.connect(stack.ws_url())
     samples = (np.arange(60 * FRAME) % 25000).astype("<i2")
-    await ws.send({"request_id": "mover"})
-    await stream_frames(ws, "mover", samples, 0, 20)
-    await ws.until(lambda m: "output" in m and m["output"]["frame"] >= 15, timeout=20, keep=True)
+    ws = await call_under_way(stack, "mover", samples, sent=20, echoed=15)
     stack.start_worker("worker-both")  # every partition
     await stack.wait_workers(3)
     stack.procs["worker-0"].kill()  # the Encoder's
@@ -92,10 +100,4 @@ async def test_partitions_moving_one_at_a_time_onto_one_worker(stack: Stack) -> 
             break
         await asyncio.sleep(0.1)
     await stream_frames(ws, "mover", samples, 40, 60)
-    await ws.send({"request_id": "mover", "end_input": True})
-    final = await ws.final("mover", timeout=60)
-    assert "finish" in final, (final, stack.logs())
-    outs = ws.outputs("mover")
-    assert [o["frame"] for o in outs] == list(range(60))  # each frame once, in order
-    assert echo_bytes(outs) == samples.tobytes()
-    await ws.close()
+    await end_and_check_every_frame(ws, stack, "mover", samples)
