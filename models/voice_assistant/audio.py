@@ -1,9 +1,8 @@
-"""Small audio helpers: resampling, float/PCM16 conversion, framing, base64."""
+"""Small audio helpers: resampling and float/PCM16 conversion (base64 PCM16 is in shared.audio)."""
 
 from __future__ import annotations
 
 import numpy as np
-import pybase64
 
 
 def resample(x: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
@@ -27,22 +26,3 @@ def to_pcm16(x: np.ndarray, gain: float = 1.0) -> np.ndarray:
 
 def silence(seconds: float, rate: int) -> np.ndarray:
     return np.zeros(round(seconds * rate), dtype=np.int16)
-
-
-def frames(pcm: np.ndarray, size: int) -> list[np.ndarray]:
-    """Cut PCM16 into items of `size` samples; the last one is zero-padded (like the frontend's Framer)."""
-    pcm = np.asarray(pcm, dtype=np.int16)
-    out = [pcm[i : i + size] for i in range(0, len(pcm), size)]
-    if out and len(out[-1]) < size:
-        last = np.zeros(size, dtype=np.int16)
-        last[: len(out[-1])] = out[-1]
-        out[-1] = last
-    return out
-
-
-def b64_pcm16(pcm: np.ndarray) -> str:
-    return pybase64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")
-
-
-def pcm16_from_b64(data: str) -> np.ndarray:
-    return np.frombuffer(pybase64.b64decode(data), dtype="<i2").copy()

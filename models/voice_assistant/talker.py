@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from duplexbus.models.voice_assistant.audio import b64_pcm16
 from duplexbus.models.voice_assistant.text import reply_text, split_pieces
+from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.model import CallInfo, Emission, Output, Partition, StepInput
 
 log = logging.getLogger(__name__)
