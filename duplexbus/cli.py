@@ -63,12 +63,12 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     port = args.port or cfg.port
     app = create_app(cfg)
     tune_gc()
-    ws_max = int(cfg.max_message_mb * 1024 * 1024 * 2) + 1024 * 1024  # the app answers oversize messages itself
+    ws_max = 2 * cfg.max_message_bytes + 1024 * 1024  # the app answers oversize messages itself
     uvicorn.run(
         app,
         host=host,
         port=port,
-        ws=FrontendWebSocketProtocol.with_send_buffer(int(cfg.max_send_buffer_mb * 1024 * 1024)),
+        ws=FrontendWebSocketProtocol.with_send_buffer(cfg.max_send_buffer_bytes),
         ws_max_size=ws_max,
         ws_per_message_deflate=False,  # compressing base64 audio costs CPU and saves little
         log_level="warning",

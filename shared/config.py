@@ -105,7 +105,19 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def max_call_input_bytes(self) -> int:
-        return int(self.max_call_input_mb * 1024 * 1024)
+        return _mib(self.max_call_input_mb)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return _mib(self.max_message_mb)
+
+    @property
+    def max_send_buffer_bytes(self) -> int:
+        return _mib(self.max_send_buffer_mb)
+
+
+def _mib(mb: float) -> int:
+    return int(mb * 1024 * 1024)
 
 
 def _key_of(err: msgspec.ValidationError, prefix: str = "") -> str:

@@ -87,7 +87,7 @@ class SocketSession:
         self.send({"request_id": rid, "append": True, "error": error, "status": status})
 
     async def handle(self, data: str | bytes) -> None:
-        limit = int(self.service.config.max_message_mb * 1024 * 1024)
+        limit = self.service.config.max_message_bytes
         msg = parse_message(data, max_bytes=limit)
         if isinstance(msg, ParseError):
             await self._refused(msg)
@@ -218,7 +218,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
 
     async def generate(request: Request) -> Response:
         """`POST /generate`: one opening as JSON, run as a one-shot, results as NDJSON lines."""
-        limit = int(config.max_message_mb * 1024 * 1024)
+        limit = config.max_message_bytes
         chunks: list[bytes] = []
         size = 0
         async for part in request.stream():
