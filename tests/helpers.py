@@ -19,6 +19,7 @@ from typing import Any
 
 import nats
 import numpy as np
+import pytest
 import websockets
 import yaml
 from nats.js.errors import NoKeysError
@@ -283,6 +284,12 @@ class WS:
 
     async def close(self) -> None:
         await self.ws.close()
+
+
+async def nothing_for(ws: WS, pred: Any, seconds: float) -> None:
+    """No message matching pred comes on `ws` for `seconds` (the others received meanwhile stay in its inbox)."""
+    with pytest.raises(TimeoutError):
+        await ws.until(pred, timeout=seconds)
 
 
 def _short(m: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from duplexbus.shared import subjects
-from tests.helpers import WS, Stack, echo_bytes, pcm, pcm_file, running_stack
+from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm, pcm_file, running_stack
 
 FRAME = 1280
 MAX_MESSAGE_MB = 0.5
@@ -79,11 +79,6 @@ async def finish(ws: WS, rid: str, sent: np.ndarray) -> dict[str, Any]:
     assert echo_bytes(outs) == padded(sent)
     assert final["finish"]["usage"]["frames"] == len(outs)
     return final
-
-
-async def nothing_for(ws: WS, pred: Any, seconds: float) -> None:
-    with pytest.raises(TimeoutError):
-        await ws.until(pred, timeout=seconds)
 
 
 # -- request_id ----------------------------------------------------------------
