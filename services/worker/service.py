@@ -93,7 +93,10 @@ class WorkerService:
 
     @property
     def capacity(self) -> int:
-        """worker_slots, or less where a partition holds fewer calls (its KV cache pool)."""
+        """worker_slots, or less where a partition holds fewer calls (its KV cache pool);
+        0 while stopping, so the conductor places no new call here."""
+        if not self._accepting:
+            return 0
         bounds = [self.config.worker_slots]
         bounds += [c for r in self.runners.values() if (c := r.engine.partition.capacity()) is not None]
         return min(bounds)
@@ -113,11 +116,14 @@ class WorkerService:
             hb = tg.create_task(heartbeat(kv, self.worker_id, self._heartbeat, self.config.heartbeat_s))
             repair = tg.create_task(self._repair_gaps())
             await stop.wait()
-            # Graceful: stop intake (no heartbeat, key deleted), let running calls finish, then cancel.
+            # Graceful: stop intake (a heartbeat with no capacity left), let running calls
+            # finish, and only then leave: a deleted key is a lost worker to the conductor,
+            # which would place these calls again elsewhere while they still run here.
             self._accepting = False
+            await kv.put(self.worker_id, self._heartbeat())
+            await self._drain(timeout=self.config.shutdown_drain_s)
             hb.cancel()
             await delete_quietly(kv, self.worker_id)
-            await self._drain(timeout=self.config.shutdown_drain_s)
             repair.cancel()
             for t in steppers:
                 t.cancel()
