@@ -18,7 +18,7 @@ from nats.js.errors import KeyNotFoundError
 from duplexbus.services.conductor import core
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.config import parse_config
-from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
+from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm_file, running_stack
 
 FRAME = 1280
 CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}
@@ -136,7 +136,7 @@ async def test_one_shot_queues_in_a_bounded_fifo_with_its_input_in_jetstream(sta
         assert line["status"] == 503 and "max_queued_requests" in line["error"] and line["request_id"] is None
     await ws.send({"request_id": "l3"})  # a live call is still refused at once
     assert (await ws.final("l3", timeout=5)).get("status") == 503
-    assert not [m for m in ws.inbox if m.get("request_id") in ("q1", "q2")]  # nothing ran yet
+    await nothing_for(ws, lambda m: m.get("request_id") in ("q1", "q2"), 1.0)  # nothing ran yet
 
     await end(ws, "l1")  # one slot: q1 first, then q2 once q1 is done
     order = []
