@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import secrets
+import struct
 import sys
 import time
 import wave
@@ -21,18 +21,37 @@ from typing import Any
 import numpy as np
 import websockets
 
-from duplexbus.shared.audio import encode_wav
+from duplexbus.shared.audio import b64_pcm16, encode_wav, pcm16_from_b64
+from duplexbus.shared.audio import read_wav as parse_wav
+
+# Appends go as raw PCM (`chunk.pcm`), which the models read at their own rate:
+# 16 kHz mono 16-bit for every built-in model. A file at another rate would play
+# at the wrong speed, so it is refused rather than sent.
+SAMPLE_RATE = 16_000
 
 
 def read_wav(path: str) -> tuple[np.ndarray, int]:
-    with wave.open(path, "rb") as w:
-        if w.getnchannels() != 1 or w.getsampwidth() != 2:
-            raise SystemExit(f"{path}: expected mono 16-bit PCM")
-        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2"), w.getframerate()
+    """Samples and rate of a mono 16-bit 16 kHz WAV; SystemExit with the reason otherwise."""
+    try:
+        channels, width, rate, frames = parse_wav(Path(path).read_bytes())
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read: {e}") from None
+    except (wave.Error, EOFError, struct.error) as e:
+        raise SystemExit(f"{path}: not a readable WAV file: {e}") from None
+    wrong = []
+    if channels != 1:
+        wrong.append(f"1 channel (got {channels})")
+    if width != 2:
+        wrong.append(f"16-bit samples (got {8 * width}-bit)")
+    if rate != SAMPLE_RATE:
+        wrong.append(f"{SAMPLE_RATE} Hz (got {rate} Hz; resample it first)")
+    if wrong:
+        raise SystemExit(f"{path}: expected " + ", ".join(wrong))
+    return np.frombuffer(frames, dtype="<i2"), rate
 
 
 def pcm_file(samples: np.ndarray) -> dict[str, str]:
-    return {"name": "chunk.pcm", "data": base64.b64encode(samples.astype("<i2").tobytes()).decode()}
+    return {"name": "chunk.pcm", "data": b64_pcm16(samples)}
 
 
 async def stream_call(
@@ -86,7 +105,7 @@ def reply_audio(outputs: list[dict[str, Any]]) -> tuple[np.ndarray, int]:
     chunks, rate = [], 16_000
     for o in outputs:
         if "audio" in o:
-            chunks.append(np.frombuffer(base64.b64decode(o["audio"]), dtype="<i2"))
+            chunks.append(pcm16_from_b64(o["audio"]))
             rate = int(o.get("sample_rate", rate))
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype="<i2")), rate
 
