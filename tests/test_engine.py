@@ -250,3 +250,17 @@ def test_echo_batch_energy_matches_one_frame_at_a_time() -> None:
     assert frames_rms(same) == pytest.approx([frame_rms(f) for f in same])
     mixed = [*same, rng.integers(-3000, 3000, 100).astype("<i2"), np.zeros(0, dtype="<i2")]
     assert frames_rms(mixed) == pytest.approx([frame_rms(f) for f in mixed])
+
+
+def test_a_call_failing_during_its_step_keeps_its_state_until_the_step_is_done() -> None:
+    """A blocking partition steps in a thread while items still arrive; an item that fails
+    the call then must not drop the partition's state for it in the middle of that step."""
+    e, part = make()
+    e.add_call("a")
+    e.push("a", "in", 0, item(0))
+    batch = e.next_batch()  # the step of "a" is under way
+    failed = e.push("a", "nope", 0, item(0))  # an edge the partition does not have: the call fails
+    assert [type(a) for a in failed] == [FailCall]
+    assert part.closed == []  # not dropped under the running step
+    e.complete(batch, part.step(batch))
+    assert part.closed == ["a"]  # dropped once the step is done

@@ -128,6 +128,7 @@ class Engine:
         self.outputs = [c.edge_name for c in topology.outputs_of(partition_name)]
         self._calls: dict[str, _Call] = {}
         self._dirty: dict[str, None] = {}  # calls that got input since they were last served (ordered set)
+        self._drop_after_step: set[str] = set()  # failed while in a step: partition state dropped after it
         self._next_idle_scan = -math.inf
         self._step_no = 0
         self.stats = EngineStats()
@@ -199,7 +200,10 @@ class Engine:
     def _fail(self, call: _Call, error: DuplexError) -> list[Action]:
         call.move(CallState.FAILED)
         del self._calls[call.cid]
-        self.partition.drop_call(call.cid)
+        if call.in_flight:  # its step may be running in a thread now: drop its state after it
+            self._drop_after_step.add(call.cid)
+        else:
+            self.partition.drop_call(call.cid)
         return [FailCall(call.cid, error)]
 
     # -- stepping ------------------------------------------------------------
@@ -292,6 +296,9 @@ class Engine:
         for s in batch:
             call = self._calls.get(s.cid)
             if call is None:
+                if s.cid in self._drop_after_step:
+                    self._drop_after_step.discard(s.cid)
+                    self.partition.drop_call(s.cid)
                 continue
             call.in_flight = False
             self._dirty[call.cid] = None  # input that arrived while it was in flight
