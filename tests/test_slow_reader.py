@@ -79,6 +79,9 @@ async def test_client_not_reading_is_disconnected_and_others_go_on(stack: Stack,
             reader_frames += 1
             await asyncio.sleep(0.08)
         assert "not reading" in stack.logs()
+        # The reader was served while the slow client filled its bound: each of its appends
+        # was echoed within until()'s 5 s, at least once before the slow call ended.
+        assert reader_frames >= 1
         with pytest.raises(websockets.ConnectionClosed):  # the server dropped it
             for _ in range(50):
                 await slow.send(json.dumps({"request_id": "slow", "append": [frame]}))
@@ -90,3 +93,4 @@ async def test_client_not_reading_is_disconnected_and_others_go_on(stack: Stack,
     await ws.send({"request_id": "reader", "end_input": True})
     m = await ws.final("reader", timeout=20)
     assert "finish" in m, m
+    assert m["finish"]["usage"]["frames"] == reader_frames and not ws.outputs("reader"), (m, reader_frames)
