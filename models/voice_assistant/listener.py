@@ -64,8 +64,7 @@ class _CallState:
     context: Any = None  # torch tensor (64,)
     samples: int = 0  # samples run through the VAD so far (stream position)
     received: int = 0  # samples received
-    preroll: deque[np.ndarray] = field(default_factory=deque)  # PCM16 windows before a turn
-    preroll_len: int = 0
+    preroll: deque[np.ndarray] = field(default_factory=deque)  # PCM16 windows before a turn (bounded)
     turn: int = 0  # number of turns started so far (the open one is `turn`)
     triggered: bool = False
     start_at: int = 0  # sample position of the open turn's start
@@ -106,7 +105,8 @@ class Listener(Partition):
         self.threshold = threshold
         self.neg_threshold = max(threshold - 0.15, 0.01)
         self.min_silence = int(min_silence_s * SAMPLE_RATE)
-        self.preroll = int(preroll_s * SAMPLE_RATE)
+        # Windows kept before a turn: the fewest that cover `preroll_s` (none for 0).
+        self.preroll_windows = -(-int(preroll_s * SAMPLE_RATE) // WINDOW)
         self.max_turn = int(max_turn_s * SAMPLE_RATE)
         self.min_turn = int(min_turn_s * SAMPLE_RATE)
         self._calls: dict[str, _CallState] = {}
@@ -114,7 +114,11 @@ class Listener(Partition):
     # -- calls ---------------------------------------------------------------
     def open_call(self, call: CallInfo) -> None:
         torch = self._torch
-        self._calls[call.cid] = _CallState(state=torch.zeros(STATE_SHAPE), context=torch.zeros(CONTEXT))
+        self._calls[call.cid] = _CallState(
+            state=torch.zeros(STATE_SHAPE),
+            context=torch.zeros(CONTEXT),
+            preroll=deque(maxlen=self.preroll_windows),
+        )
 
     def close_call(self, cid: str) -> dict[str, Any]:
         st = self._calls.pop(cid, None)
@@ -208,14 +212,10 @@ class Listener(Partition):
                 out.append(EdgeItem(cid, "vad", Item(None, {"event": "speech_start", "turn": st.turn, "at": at})))
                 st.out_audio = list(st.preroll)
                 st.preroll.clear()
-                st.preroll_len = 0
                 st.out_audio.append(pcm)
                 st.turn_samples += WINDOW
                 return
-            st.preroll.append(pcm)
-            st.preroll_len += WINDOW
-            while st.preroll_len - len(st.preroll[0]) >= self.preroll:
-                st.preroll_len -= len(st.preroll.popleft())
+            st.preroll.append(pcm)  # the deque's maxlen drops the oldest window
             return
         st.out_audio.append(pcm)
         st.turn_samples += WINDOW
