@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import nats
@@ -185,7 +185,7 @@ class Payloads:
         return bytes(result.data or b"")
 
 
-async def read_stored(js: JetStreamContext, payloads: Payloads, filters: list[str]) -> AsyncIterator[tuple[str, bytes]]:
+async def read_stored(js: JetStreamContext, payloads: Payloads, filters: list[str]) -> AsyncGenerator[tuple[str, bytes], None]:
     """Every message the stream holds on `filters`, oldest first: (subject, body).
 
     One ephemeral consumer, read to the end and deleted: the catch-up read of workers,

@@ -80,6 +80,12 @@ def abort(cid: str) -> str:
     return f"{_PREFIX}.{cid}.{ABORT}"
 
 
+def consumed(cid: str, edge_name: str) -> str:
+    """Everything a consumer of the edge reads: its items and its end (in+eoi for a client
+    stream, edge+edge_end between partitions; `*` spans both kinds)."""
+    return f"{_PREFIX}.{cid}.*.{edge_name}"
+
+
 def call_all(cid: str) -> str:
     """Every subject of one call (replay)."""
     return f"{_PREFIX}.{cid}.>"
@@ -92,9 +98,6 @@ def assign(worker_id: str) -> str:
 def worker_stats(worker_id: str) -> str:
     """Request/reply: the worker's load, steps, batch sizes and data-path latency."""
     return f"ctl.worker.{worker_id}.stats"
-
-
-WORKER_STATS_ALL = "ctl.worker.*.stats"
 
 
 # What the conductor consumes: O(1) messages per call, never data subjects (I-1).

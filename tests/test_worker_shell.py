@@ -20,3 +20,38 @@ def test_unknown_partition_is_refused_at_start() -> None:
         assert "Nope" in str(e) and "Encoder" in str(e)
     else:
         raise AssertionError("an unknown partition was accepted")
+
+
+async def test_a_partition_added_during_a_catch_up_read_gets_its_input_read_too() -> None:
+    import asyncio
+
+    from duplexbus.services.worker.service import _Assigned
+
+    w = WorkerService(parse_config({}), "echo")
+    reads: list[list[str]] = []
+    gate = asyncio.Event()
+
+    async def catch_up(cid: str, edges: list[str]) -> None:
+        reads.append(edges)
+        await gate.wait()
+
+    w._catch_up = catch_up  # type: ignore[method-assign]
+    call = _Assigned("c", ["Encoder"])
+    w._start_catch_up(call)
+    first = call.catchup
+    await asyncio.sleep(0)
+    w._start_catch_up(call)  # nothing new: the running read covers it
+    assert call.catchup is first
+    call.partitions.append("Talker")  # placed here while the first read still runs
+    w._start_catch_up(call)
+    await asyncio.sleep(0)
+    assert first is not None and first.cancelled()
+    assert reads == [["audio_in"], ["audio_in", "frames"]]
+    gate.set()
+    await w.tasks.close()
+
+
+def test_a_stopping_worker_has_no_free_slots() -> None:
+    w = WorkerService(parse_config({"worker_slots": 100}), "echo")
+    w._accepting = False  # what run() sets on SIGTERM, before its drain
+    assert w.capacity == 0

@@ -44,6 +44,7 @@ class _Assigned:
     partitions: list[str]
     subs: list[Subscription] = field(default_factory=list)
     catchup: asyncio.Task[None] | None = None
+    catchup_edges: frozenset[str] = frozenset()  # what the running catch-up read covers
 
 
 class _Runner:
@@ -197,9 +198,8 @@ class WorkerService:
         call.partitions += mine
         for e in [e for p in mine for e in self.runners[p].engine.input_edges()]:
             if self.producer_of.get(e) in call.partitions:
-                continue  # produced in this process: delivered here directly (_deliver_locally)
-            # in+eoi for client edges, edge+edge_end for inter-partition ones: `*` spans both kinds.
-            call.subs.append(await bus.subscribe_direct(self.nc, f"call.{a.cid}.*.{e}", self._on_data))
+                continue  # produced in this process: handed over directly (_local_consumer)
+            call.subs.append(await bus.subscribe_direct(self.nc, subjects.consumed(a.cid, e), self._on_data))
         await self.nc.flush()
         self._start_catch_up(call)
         for p in mine:
@@ -234,10 +234,15 @@ class WorkerService:
             self._start_catch_up(call)
 
     def _start_catch_up(self, call: _Assigned) -> None:
-        """Read the call's input from the stream, unless such a read is already under way."""
-        if call.catchup is None or call.catchup.done():
-            edges = [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
-            call.catchup = self.tasks.spawn(self._catch_up(call.cid, edges))
+        """Read the call's input from the stream, unless a read of all of it is under way (one
+        started before the call gained a partition here does not cover that one's input)."""
+        edges = frozenset(e for p in call.partitions for e in self.runners[p].engine.input_edges())
+        if call.catchup is not None and not call.catchup.done():
+            if edges <= call.catchup_edges:
+                return
+            call.catchup.cancel()  # read again, all of it: repeats are dropped by seq
+        call.catchup_edges = edges
+        call.catchup = self.tasks.spawn(self._catch_up(call.cid, sorted(edges)))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         assert self.js is not None
@@ -248,15 +253,17 @@ class WorkerService:
         """Read what the stream holds for the call's input subjects from the start."""
         assert self.js is not None
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
-        filters = [f"call.{cid}.*.{e}" for e in edges] + [subjects.abort(cid), subjects.fin(cid)]
+        filters = [subjects.consumed(cid, e) for e in edges] + [subjects.abort(cid), subjects.fin(cid)]
         try:
-            async for subject, data in bus.read_stored(self.js, self.payloads, filters):
-                if cid not in self.calls:
-                    return
-                if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
-                    await self._forget(cid)
-                    return
-                await self._handle_data(subject, data, live=False)
+            # aclosing: a read left early ends its consumer now, not when the generator is collected
+            async with contextlib.aclosing(bus.read_stored(self.js, self.payloads, filters)) as stored:
+                async for subject, data in stored:
+                    if cid not in self.calls:
+                        return
+                    if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
+                        await self._forget(cid)
+                        return
+                    await self._handle_data(subject, data, live=False)
         except asyncio.CancelledError:
             raise
         except Exception:
