@@ -66,8 +66,7 @@ async def live_call(ws: WS, rid: str, x: np.ndarray) -> None:
     """Opens `rid` and appends `x`; waits for the first output (the call runs)."""
     await ws.send({"request_id": rid})
     await ws.send({"request_id": rid, "append": [pcm_file(x)]})
-    first = await ws.until(lambda m: m.get("request_id") == rid and "output" in m)
-    ws.inbox.insert(0, first)  # kept for ws.outputs(rid)
+    await ws.until(lambda m: m.get("request_id") == rid and "output" in m, keep=True)  # kept for ws.outputs(rid)
 
 
 async def finish(ws: WS, rid: str, sent: np.ndarray) -> dict[str, Any]:
@@ -199,8 +198,7 @@ async def test_wav_with_wrong_format_is_400_naming_what_was_expected(ws: WS, kin
     assert m["status"] == 400 and expected in m["error"], m
     x = samples(1600, seed=7)
     await ws.send({"request_id": "wav2", "files": [{"name": "ok.wav", "data": wav(x)}]})  # the right format works
-    first = await ws.until(lambda m: m.get("request_id") == "wav2" and "output" in m)
-    ws.inbox.insert(0, first)
+    await ws.until(lambda m: m.get("request_id") == "wav2" and "output" in m, keep=True)
     await ws.send({"request_id": "wav2", "append": [f]})
     m = await ws.final("wav2")
     assert m.get("status") == 400 and expected in m["error"], m

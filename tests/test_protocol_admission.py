@@ -79,9 +79,8 @@ async def admitted(ws: WS, rid: str) -> None:
     """Opens live call `rid` and waits for its first output: it holds a slot."""
     await ws.send({"request_id": rid})
     await ws.send({"request_id": rid, "append": [pcm_file(frames(1, 0))]})
-    first = await ws.until(lambda m: m.get("request_id") == rid and ("output" in m or "error" in m))
+    first = await ws.until(lambda m: m.get("request_id") == rid and ("output" in m or "error" in m), keep=True)
     assert "output" in first, first
-    ws.inbox.insert(0, first)
 
 
 async def end(ws: WS, rid: str) -> None:

@@ -44,8 +44,7 @@ async def placed(ws: WS, rid: str) -> None:
     """Until the call's first output: it runs on a worker. (A call aborted before its worker
     subscribed to it stays on that worker, which then takes 10 s to stop: the worker's
     catch-up read covers the input subjects, not `abort`/`fin`.)"""
-    first = await ws.until(lambda m: m.get("request_id") == rid and "output" in m)
-    ws.inbox.insert(0, first)
+    await ws.until(lambda m: m.get("request_id") == rid and "output" in m, keep=True)
 
 
 def late_reply(rid: str) -> Any:
