@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from duplexbus.shared.embedded import NatsServer
-
-log = logging.getLogger("duplexbus.up")
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,13 +37,12 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started: float = 0.0
-    env: dict[str, str] = field(default_factory=dict)
 
-    def start(self, base_env: dict[str, str], log_dir: Path) -> None:
+    def start(self, env: dict[str, str], log_dir: Path) -> None:
         out = open(log_dir / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(
             self.argv,
-            env={**base_env, **self.env},
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -184,7 +180,7 @@ def run_up(opts: UpOptions, partitions: list[str]) -> int:
     return 0
 
 
-def stop_all(children: list[Child], timeout: float = 15.0) -> None:
+def stop_all(children: list[Child], timeout: float) -> None:
     for order in sorted({c.order for c in children}):
         group = [c for c in children if c.order == order and c.alive()]
         for c in group:
