@@ -95,7 +95,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         colocate=args.colocate,
         stop_timeout=cfg.shutdown_drain_s + 5.0,  # children drain for shutdown_drain_s before they exit
     )
-    return run_up(opts, partitions)
+    return run_up(opts, partitions, cfg)
 
 
 def cmd_nats(args: argparse.Namespace) -> int:

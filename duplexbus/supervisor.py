@@ -19,6 +19,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.embedded import NatsServer
 
 PR_SET_PDEATHSIG = 1
@@ -100,18 +103,19 @@ def wait_http(url: str, timeout: float, children: list[Child]) -> bool:
     return False
 
 
-def wait_workers(nats_url: str, expected: int, timeout: float, children: list[Child]) -> bool:
+def wait_workers(cfg: ServingConfig, expected: int, timeout: float, children: list[Child]) -> bool:
     """Until `expected` workers heartbeat (their models load after the frontend is up)."""
     import asyncio
 
-    import nats
-
-    from duplexbus.shared import subjects
+    from duplexbus.shared import bus, subjects
 
     async def poll() -> bool:
-        nc = await nats.connect(nats_url)
+        deadline = time.monotonic() + timeout
+        try:  # the config's credentials and TLS too; its connect retries until NATS answers
+            nc = await asyncio.wait_for(bus.connect(cfg, "duplexbus-up"), timeout)
+        except TimeoutError:
+            return False
         try:
-            deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if any(not c.alive() for c in children if c.name.startswith("worker")):
                     return False
@@ -122,12 +126,14 @@ def wait_workers(nats_url: str, expected: int, timeout: float, children: list[Ch
                 await asyncio.sleep(0.2)
             return False
         finally:
-            await nc.close()
+            await bus.close(nc)
 
     return asyncio.run(poll())
 
 
-def run_up(opts: UpOptions, partitions: list[str]) -> int:
+def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
+    """Serve until SIGINT/SIGTERM. NATS is `cfg.nats_url` (the config's or $NATS_URL) when set,
+    else an embedded server."""
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -141,21 +147,20 @@ def run_up(opts: UpOptions, partitions: list[str]) -> int:
     log_dir.mkdir(exist_ok=True)
     env = dict(os.environ)
     server: NatsServer | None = None
-    if not env.get("NATS_URL"):
+    if not cfg.nats_url:
         server = NatsServer(opts.run_dir / "nats", log_file=log_dir / "nats-server.log").start()
         env["NATS_URL"] = server.url
+        cfg = msgspec.structs.replace(cfg, nats_url=server.url)
         print(f"nats-server (embedded) on {server.url}, store {opts.run_dir / 'nats'}", flush=True)
     else:
-        print(f"using NATS at {env['NATS_URL']}", flush=True)
+        print(f"using NATS at {cfg.nats_url}", flush=True)  # the children read the same config
     children = plan(opts, partitions)
     try:
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
         workers = opts.workers if opts.colocate else len(partitions) * opts.workers
-        if wait_http(f"{url}/healthz", opts.ready_timeout, children) and wait_workers(
-            env["NATS_URL"], workers, opts.ready_timeout, children
-        ):
+        if wait_http(f"{url}/healthz", opts.ready_timeout, children) and wait_workers(cfg, workers, opts.ready_timeout, children):
             print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
         else:
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)
