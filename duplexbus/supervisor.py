@@ -133,7 +133,7 @@ def wait_workers(cfg: ServingConfig, expected: int, timeout: float, children: li
 
 def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     """Serve until SIGINT/SIGTERM. NATS is `cfg.nats_url` (the config's or $NATS_URL) when set,
-    else an embedded server."""
+    else an embedded server. Returns 1 when the stack never became ready."""
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -155,12 +155,16 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     else:
         print(f"using NATS at {cfg.nats_url}", flush=True)  # the children read the same config
     children = plan(opts, partitions)
+    ready = False
     try:
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
         workers = opts.workers if opts.colocate else len(partitions) * opts.workers
-        if wait_http(f"{url}/healthz", opts.ready_timeout, children) and wait_workers(cfg, workers, opts.ready_timeout, children):
+        ready = wait_http(f"{url}/healthz", opts.ready_timeout, children) and wait_workers(
+            cfg, workers, opts.ready_timeout, children
+        )
+        if ready:
             print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
         else:
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)
@@ -182,7 +186,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
         if server is not None:
             server.stop()
         print("stopped", flush=True)
-    return 0
+    return 0 if ready else 1
 
 
 def stop_all(children: list[Child], timeout: float) -> None:

@@ -29,7 +29,7 @@ def signals_kept() -> Iterator[None]:
         signal.signal(s, h)
 
 
-def test_up_uses_the_configs_nats_url(
+def test_up_uses_the_configs_nats_url_and_fails_when_never_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signals_kept: None
 ) -> None:
     monkeypatch.delenv("NATS_URL", raising=False)
@@ -45,7 +45,7 @@ def test_up_uses_the_configs_nats_url(
         ready_timeout=20.0,
         stop_timeout=5.0,
     )
-    run_up(opts, ["Encoder", "Talker"], cfg)
+    assert run_up(opts, ["Encoder", "Talker"], cfg) == 1
     out = capsys.readouterr().out
     assert "using NATS at nats://127.0.0.1:1" in out
     assert "embedded" not in out
