@@ -25,6 +25,8 @@ from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.embedded import NatsServer
 
 PR_SET_PDEATHSIG = 1
+POLL_S = 0.2  # the supervision loop's pass
+RESTART_RESET_S = 30.0  # a child that ran this long restarts with the shortest backoff again
 
 
 def _die_with_parent() -> None:
@@ -40,6 +42,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started: float = 0.0
+    restart_at: float | None = None  # set once its exit is noticed: when it starts again
 
     def start(self, env: dict[str, str], log_dir: Path) -> None:
         out = open(log_dir / f"{self.name}.log", "ab")
@@ -131,6 +134,28 @@ def wait_workers(cfg: ServingConfig, expected: int, timeout: float, children: li
     return asyncio.run(poll())
 
 
+def tend(children: list[Child], env: dict[str, str], log_dir: Path, now: float) -> None:
+    """One pass of the supervision loop: note the children that exited, restart those whose backoff is over.
+
+    Never waits: the loop checks for a stop between passes, so a backoff neither delays
+    Ctrl-C nor restarts a child after it.
+    """
+    for c in children:
+        if c.alive():
+            continue
+        if c.restart_at is None:
+            if now - c.started > RESTART_RESET_S:
+                c.restarts = 0
+            backoff = min(10.0, 0.5 * 2**c.restarts)
+            code = c.proc.returncode if c.proc else None
+            print(f"{c.name} exited ({code}); restarting in {backoff:.1f}s", flush=True)
+            c.restart_at = now + backoff
+        elif now >= c.restart_at:
+            c.restarts += 1
+            c.restart_at = None
+            c.start(env, log_dir)
+
+
 def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     """Serve until SIGINT/SIGTERM. NATS is `cfg.nats_url` (the config's or $NATS_URL) when set,
     else an embedded server. Returns 1 when the stack never became ready."""
@@ -170,17 +195,8 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)
             stop = True
         while not stop:
-            for c in children:
-                if not c.alive() and not stop:
-                    code = c.proc.returncode if c.proc else None
-                    backoff = min(10.0, 0.5 * 2**c.restarts)
-                    if time.monotonic() - c.started > 30:
-                        c.restarts = 0
-                    print(f"{c.name} exited ({code}); restarting in {backoff:.1f}s", flush=True)
-                    time.sleep(backoff)
-                    c.restarts += 1
-                    c.start(env, log_dir)
-            time.sleep(0.2)
+            tend(children, env, log_dir, time.monotonic())
+            time.sleep(POLL_S)
     finally:
         stop_all(children, opts.stop_timeout)
         if server is not None:

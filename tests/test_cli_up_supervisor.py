@@ -1,8 +1,9 @@
-"""`duplexbus up`'s supervisor without a running stack: readiness, which NATS it uses."""
+"""`duplexbus up`'s supervisor without a running stack: restarts, readiness, which NATS it uses."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,40 @@ from pathlib import Path
 import pytest
 
 from duplexbus.shared.config import ServingConfig
-from duplexbus.supervisor import UpOptions, run_up, wait_workers
+from duplexbus.supervisor import Child, UpOptions, run_up, tend, wait_workers
+
+
+def exited_child(tmp_path: Path) -> Child:
+    c = Child("quick", [sys.executable, "-c", "pass"], order=0)
+    c.start({}, tmp_path)
+    assert c.proc is not None
+    c.proc.wait(10)
+    return c
+
+
+def test_a_dead_child_restarts_after_its_backoff_without_waiting(tmp_path: Path) -> None:
+    c = exited_child(tmp_path)
+    now = time.monotonic()
+    before = time.monotonic()
+    tend([c], {}, tmp_path, now)  # notices the exit: restart due in 0.5 s
+    assert time.monotonic() - before < 0.2  # no sleep in the pass
+    first = c.proc
+    assert c.restart_at == pytest.approx(now + 0.5)
+    tend([c], {}, tmp_path, now + 0.4)
+    assert c.proc is first and c.restarts == 0
+    tend([c], {}, tmp_path, now + 0.5)
+    assert c.proc is not first and c.restarts == 1 and c.restart_at is None
+    assert c.proc is not None
+    c.proc.wait(10)
+    tend([c], {}, tmp_path, now + 1.0)  # a second exit backs off longer
+    assert c.restart_at == pytest.approx(now + 2.0)
+
+
+def test_a_child_that_ran_long_restarts_with_the_shortest_backoff(tmp_path: Path) -> None:
+    c = exited_child(tmp_path)
+    c.restarts = 5
+    tend([c], {}, tmp_path, c.started + 60)
+    assert c.restart_at == pytest.approx(c.started + 60.5)
 
 
 def test_wait_workers_gives_up_on_unreachable_nats() -> None:
