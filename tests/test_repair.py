@@ -59,7 +59,7 @@ async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
         if live and subject.endswith(".in.audio_in") and not dropped:
             if wire.decode_as(data, wire.InputItem).seq == 5:
                 dropped.append(5)
-                return None
+                return [], ""
         return real(subject, data, live)
 
     svc._take = lossy  # type: ignore[method-assign]

@@ -305,28 +305,26 @@ class WorkerService:
         if self.payloads.is_stored(m):
             self.tasks.spawn(self._handle_stored(m))
             return
-        taken = self._take(m.subject, m.data, live=True)
-        if taken is not None and taken[0]:
-            self.tasks.spawn(self._carry_out(*taken))
+        actions, partition = self._take(m.subject, m.data, live=True)
+        if actions:
+            self.tasks.spawn(self._carry_out(actions, partition))
 
     async def _handle_stored(self, m: Msg) -> None:
         await self._handle_data(m.subject, await self.payloads.body(m), live=True)
 
     async def _handle_data(self, subject: str, data: bytes, live: bool) -> None:
-        taken = self._take(subject, data, live)
-        if taken is not None and taken[0]:
-            await self._carry_out(*taken)
+        await self._carry_out(*self._take(subject, data, live))
 
-    def _take(self, subject: str, data: bytes, live: bool) -> tuple[list[eng.Action], str] | None:
+    def _take(self, subject: str, data: bytes, live: bool) -> tuple[list[eng.Action], str]:
         """Hand one item or end of stream to its engine: (actions to carry out, partition)."""
         try:
             s = subjects.parse(subject)
             msg = wire.decode(data)
         except (ValueError, DuplexError):
             log.warning("dropping undecodable message on %s", subject)
-            return None
+            return [], ""
         if s.edge is None or s.edge not in self.consumer_of:
-            return None
+            return [], ""
         r = self.runners[self.consumer_of[s.edge]]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
             if live and isinstance(msg, wire.InputItem) and msg.sent_ns:
@@ -335,7 +333,7 @@ class WorkerService:
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
             actions = r.engine.end(s.cid, s.edge, msg.total)
         else:
-            return None
+            return [], ""
         r.wake.set()
         return actions, r.engine.name
 
@@ -409,11 +407,13 @@ class WorkerService:
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
                 await self.payloads.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
-                    await self._took_locally(r, r.engine.push(a.cid, a.edge, a.seq, a.item))
+                    r.wake.set()
+                    await self._carry_out(r.engine.push(a.cid, a.edge, a.seq, a.item), r.engine.name)
             elif isinstance(a, eng.PublishEdgeEnd):
                 await self.payloads.publish_once(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
-                    await self._took_locally(r, r.engine.end(a.cid, a.edge, a.total))
+                    r.wake.set()
+                    await self._carry_out(r.engine.end(a.cid, a.edge, a.total), r.engine.name)
             elif isinstance(a, eng.PublishDone):
                 done = wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
                 await self.payloads.publish_once(subjects.done(a.cid, partition), wire.encode(done))
@@ -434,11 +434,6 @@ class WorkerService:
         if consumer is None or call is None or consumer not in call.partitions:
             return None
         return self.runners[consumer]
-
-    async def _took_locally(self, r: _Runner, actions: list[eng.Action]) -> None:
-        r.wake.set()
-        if actions:
-            await self._carry_out(actions, r.engine.name)
 
     async def _partition_finished(self, cid: str, partition: str) -> None:
         call = self.calls.get(cid)
