@@ -14,11 +14,10 @@ import nats
 import numpy as np
 import pytest
 
+from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects
 from duplexbus.shared.audio import encode_wav
 from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
-
-FRAME = 1280
 
 
 def padded(samples: np.ndarray) -> bytes:

@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
+from duplexbus.models.echo import FRAME
 from tests.helpers import WS, Stack, echo_bytes, pcm_file
-
-FRAME = 1280
 
 
 @pytest.fixture

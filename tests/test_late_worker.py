@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from duplexbus.models.echo import FRAME
 from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm_file
-
-FRAME = 1280
 
 
 async def test_input_before_any_worker_is_not_lost(nats_url: str) -> None:

@@ -7,10 +7,9 @@ import tempfile
 
 import numpy as np
 
+from duplexbus.models.echo import FRAME
 from duplexbus.shared.embedded import NatsServer
 from tests.helpers import WS, Stack, echo_bytes, pcm_file
-
-FRAME = 1280
 
 
 async def test_server_killed_and_restarted_mid_call() -> None:

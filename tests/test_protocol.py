@@ -17,10 +17,10 @@ import nats
 import numpy as np
 import pytest
 
+from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects
 from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm, pcm_file, running_stack
 
-FRAME = 1280
 MAX_MESSAGE_MB = 0.5
 MAX_INPUT_MB = 1.0
 CONFIG = {"model": "echo", "max_message_mb": MAX_MESSAGE_MB, "max_call_input_mb": MAX_INPUT_MB}

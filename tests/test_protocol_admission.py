@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from nats.js.errors import KeyNotFoundError
 
+from duplexbus.models.echo import FRAME
 from duplexbus.services.conductor import core
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.config import parse_config
 from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm_file, running_stack
 
-FRAME = 1280
 CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}
 
 

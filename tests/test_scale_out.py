@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.embedded import free_port
 from tests.helpers import WS, echo_bytes, pcm_file
-
-FRAME = 1280
 
 
 def wait_ready(port: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
