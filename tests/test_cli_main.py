@@ -1,0 +1,14 @@
+"""The `duplexbus` command's own handling: bad arguments are one line and exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from duplexbus.cli import main
+
+
+def test_up_with_an_unknown_model_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--model", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: model: unknown model 'nope'; served: ")
+    assert "Traceback" not in err and err.count("\n") == 1
