@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.captureWarnings(True)  # here, not under __main__: the `duplexbus` console script calls main()
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
@@ -204,5 +205,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    logging.captureWarnings(True)
     sys.exit(main())
