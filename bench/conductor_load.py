@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 
 import nats
@@ -19,6 +18,7 @@ import websockets
 
 from bench.stack import UpStack, machine
 from duplexbus.shared import subjects
+from duplexbus.shared.audio import b64_pcm16
 
 
 async def delivered(url: str) -> int:
@@ -31,7 +31,7 @@ async def delivered(url: str) -> int:
 
 
 async def one_call(url: str, appends: int) -> None:
-    data = base64.b64encode(np.zeros(160, dtype="<i2").tobytes()).decode()  # 10 ms each
+    data = b64_pcm16(np.zeros(160, dtype="<i2"))  # 10 ms each
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"request_id": f"load{appends}"}))
         for _ in range(appends):

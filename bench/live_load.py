@@ -29,6 +29,7 @@ import numpy as np
 
 from bench.stack import UpStack, machine
 from duplexbus.models.echo import FRAME
+from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.stats import percentile
 
 PERIOD = 0.08
@@ -133,7 +134,7 @@ async def socket_calls(
     """n live calls on one socket, each paced at one frame per 80 ms."""
     loop = asyncio.get_running_loop()
     decoder = msgspec.json.Decoder(_Reply)
-    frame = base64.b64encode(np.zeros(FRAME, dtype="<i2").tobytes()).decode()
+    frame = b64_pcm16(np.zeros(FRAME, dtype="<i2"))
     rids = [f"{tag}-{i}" for i in range(n)]
     sent: dict[str, list[float]] = {rid: [] for rid in rids}
     done = asyncio.Event()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import math
 import os
@@ -51,6 +50,7 @@ from bench.stack import UpStack, machine
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
 from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES
+from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.stats import percentile
 
 SENTENCES = [SAMPLE_SENTENCES[i] for i in (1, 2, 4, 3, 6, 7, 0, 5)]
@@ -154,7 +154,7 @@ async def one_call(url: str, rid: str, audio: np.ndarray, ends: list[int], delay
             await ws.send(json.dumps({"request_id": rid}))
             t0 = time.monotonic()
             for k, i in enumerate(range(0, len(audio), FRAME)):
-                data = base64.b64encode(audio[i : i + FRAME].astype("<i2").tobytes()).decode()
+                data = b64_pcm16(audio[i : i + FRAME])
                 await ws.send(json.dumps({"request_id": rid, "append": [{"name": "mic.pcm", "data": data}]}))
                 if k in end_frames:
                     sent_end[end_frames[k]] = time.monotonic()

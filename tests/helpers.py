@@ -25,6 +25,7 @@ import yaml
 from nats.js.errors import NoKeysError
 
 from duplexbus.shared import subjects, wire
+from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.embedded import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -227,7 +228,8 @@ def _ready_pid(url: str) -> int | None:
 
 
 def pcm(samples: np.ndarray) -> str:
-    return base64.b64encode(np.asarray(samples, dtype="<i2").tobytes()).decode()
+    """PCM16 samples as the base64 text of a `.pcm` file."""
+    return b64_pcm16(samples)
 
 
 def pcm_file(samples: np.ndarray, name: str = "a.pcm", stream: str | None = None) -> dict[str, Any]:

