@@ -102,21 +102,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
+    import contextlib
     import signal
     import time
 
     from duplexbus.shared.embedded import NatsServer
 
-    server = NatsServer(args.store, port=args.port).start()
-    print(server.url, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
+    with NatsServer(args.store, port=args.port) as server, contextlib.suppress(KeyboardInterrupt):
+        print(server.url, flush=True)
         while True:
             time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
     return 0
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from duplexbus.cli import main
+from duplexbus.shared.embedded import free_port
 
 
 def test_up_with_an_unknown_model_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -27,3 +34,24 @@ def test_main_routes_warnings_to_logging(caplog: pytest.LogCaptureFixture) -> No
         assert "routed to logging" in caplog.text
     finally:
         logging.captureWarnings(False)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_nats_runs_until_sigterm_or_ctrl_c_and_stops_its_server(tmp_path: Path, sig: signal.Signals) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duplexbus.cli", "nats", "--store", str(tmp_path / "nats"), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"nats://127.0.0.1:{port}"
+        proc.send_signal(sig)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with socket.socket() as s:  # the server is gone with it: its port is free again
+        s.bind(("127.0.0.1", port))
