@@ -16,7 +16,7 @@ import nats
 import numpy as np
 import websockets
 
-from bench.stack import UpStack, machine
+from bench.stack import UpStack, is_final, machine
 from duplexbus.shared import subjects
 from duplexbus.shared.audio import b64_pcm16
 
@@ -39,7 +39,7 @@ async def one_call(url: str, appends: int) -> None:
         await ws.send(json.dumps({"request_id": f"load{appends}", "end_input": True}))
         async for raw in ws:
             m = json.loads(raw)
-            if "finish" in m or ("error" in m and not m.get("append")):
+            if is_final(m):
                 return
 
 

@@ -20,6 +20,11 @@ from duplexbus.shared import subjects
 from duplexbus.shared.embedded import free_port
 
 
+def is_final(m: dict) -> bool:
+    """Whether a reply ends its call: the finish, or an error that is not an append's (those leave the call running)."""
+    return "finish" in m or ("error" in m and not m.get("append"))
+
+
 class UpStack:
     def __init__(
         self, model: str = "echo", frontends: int = 1, workers: int = 1, config: dict | None = None, colocate: bool = False

@@ -46,7 +46,7 @@ import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_latency.py` finds `bench`
 
-from bench.stack import UpStack, machine
+from bench.stack import UpStack, is_final, machine
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
 from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES
@@ -174,7 +174,7 @@ async def one_call(url: str, rid: str, audio: np.ndarray, ends: list[int], delay
                         result["texts"][o["turn"]] = o["text"]
                     if kind in first:
                         first[kind].setdefault(o["turn"], now)
-                elif "finish" in m or ("error" in m and not m.get("append")):
+                elif is_final(m):
                     result["final"] = m
                     break
         finally:

@@ -24,6 +24,7 @@ import websockets
 import yaml
 from nats.js.errors import NoKeysError
 
+from bench.stack import is_final
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.embedded import free_port
@@ -275,9 +276,7 @@ class WS:
 
     async def final(self, rid: str, timeout: float = 20.0) -> dict[str, Any]:
         """The finish or error that ends call `rid`."""
-        return await self.until(
-            lambda m: m.get("request_id") == rid and ("finish" in m or ("error" in m and not m.get("append"))), timeout
-        )
+        return await self.until(lambda m: m.get("request_id") == rid and is_final(m), timeout)
 
     def outputs(self, rid: str) -> list[dict[str, Any]]:
         out = [m["output"] for m in self.inbox if m.get("request_id") == rid and "output" in m]

