@@ -25,6 +25,7 @@ import yaml
 from nats.js.errors import NoKeysError
 
 from bench.stack import is_final
+from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.embedded import free_port
@@ -297,6 +298,14 @@ def _short(m: dict[str, Any]) -> dict[str, Any]:
     if "output" in m and isinstance(m["output"], dict) and "audio" in m["output"]:
         return {**m, "output": {**m["output"], "audio": "..."}}
     return m
+
+
+def padded(samples: np.ndarray) -> bytes:
+    """What echo sends back for `samples`: the input zero-padded to whole frames."""
+    n = -(-len(samples) // FRAME) * FRAME
+    out = np.zeros(n, dtype="<i2")
+    out[: len(samples)] = samples
+    return out.tobytes()
 
 
 def echo_bytes(outputs: list[dict[str, Any]]) -> bytes:

@@ -17,14 +17,7 @@ import pytest
 from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects
 from duplexbus.shared.audio import encode_wav
-from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
-
-
-def padded(samples: np.ndarray) -> bytes:
-    n = -(-len(samples) // FRAME) * FRAME
-    out = np.zeros(n, dtype="<i2")
-    out[: len(samples)] = samples
-    return out.tobytes()
+from tests.helpers import WS, Stack, echo_bytes, padded, pcm_file, running_stack
 
 
 @pytest.fixture(scope="module")

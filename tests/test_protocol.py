@@ -19,7 +19,7 @@ import pytest
 
 from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects
-from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm, pcm_file, running_stack
+from tests.helpers import WS, Stack, echo_bytes, nothing_for, padded, pcm, pcm_file, running_stack
 
 MAX_MESSAGE_MB = 0.5
 MAX_INPUT_MB = 1.0
@@ -34,13 +34,6 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
 
 def samples(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(-20000, 20000, n).astype("<i2")
-
-
-def padded(x: np.ndarray) -> bytes:
-    n = -(-len(x) // FRAME) * FRAME
-    out = np.zeros(n, dtype="<i2")
-    out[: len(x)] = x
-    return out.tobytes()
 
 
 def wav(x: np.ndarray, rate: int = 16000, channels: int = 1, width: int = 2) -> str:
