@@ -213,21 +213,18 @@ def summarize(calls: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     n_turns = sum(len(r["turns"]) for r in results)
     failed = [r["final"] for r in results if not (r["final"] and "finish" in r["final"])]
 
-    def pct(xs: list[float], p: float) -> float | None:
-        return percentile(xs, p) if xs else None
-
     return {
         "calls": calls,
         "turns": n_turns,
         "replies": len(ms["audio"]),
         "failed_calls": len(failed),
         "errors": failed[:3],
-        "audio_p50_ms": pct(ms["audio"], 50),
-        "audio_p95_ms": pct(ms["audio"], 95),
+        "audio_p50_ms": percentile(ms["audio"], 50),
+        "audio_p95_ms": percentile(ms["audio"], 95),
         "audio_max_ms": max(ms["audio"]) if ms["audio"] else None,
-        "speak_p50_ms": pct(ms["speak"], 50),
-        "final_p50_ms": pct(ms["final"], 50),
-        "final_p95_ms": pct(ms["final"], 95),
+        "speak_p50_ms": percentile(ms["speak"], 50),
+        "final_p50_ms": percentile(ms["final"], 50),
+        "final_p95_ms": percentile(ms["final"], 95),
     }
 
 
