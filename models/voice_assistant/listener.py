@@ -130,9 +130,6 @@ class Listener(Partition):
             "speech_s": round(st.speech_s, 3),
         }
 
-    def drop_call(self, cid: str) -> None:
-        self._calls.pop(cid, None)
-
     # -- stepping ------------------------------------------------------------
     def step(self, batch: list[StepInput]) -> list[Emission]:
         work: list[tuple[str, _CallState, np.ndarray, np.ndarray]] = []  # cid, state, float windows, pcm windows

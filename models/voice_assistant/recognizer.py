@@ -108,11 +108,6 @@ class Recognizer(Partition):
         self._release(st.decoder, st.in_utt)
         return {"turns": st.turns, "speech_s": round(st.samples / SAMPLE_RATE, 3), "partials": st.partials}
 
-    def drop_call(self, cid: str) -> None:
-        st = self._calls.pop(cid, None)
-        if st is not None:
-            self._release(st.decoder, st.in_utt)
-
     # -- stepping ------------------------------------------------------------
     def step(self, batch: list[StepInput]) -> list[Emission]:
         out: list[Emission] = []

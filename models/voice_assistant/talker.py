@@ -145,11 +145,6 @@ class Talker(Partition):
             "audio_out_s": round(st.out_samples / self.sample_rate, 3),
         }
 
-    def drop_call(self, cid: str) -> None:
-        st = self._calls.pop(cid, None)
-        if st is not None:
-            self._cancel(st.reply)
-
     def wants_step(self, cid: str) -> bool:
         st = self._calls.get(cid)
         return st is not None and st.reply is not None
