@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 from uvicorn.protocols.utils import ClientDisconnected
@@ -100,13 +101,7 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
     def send_now(self, text: str) -> None:
         """Queue one text message for the next write, without awaiting; raises ClientDisconnected
         where the socket is gone, or is dropped now because its client is not reading."""
-        if not self.handshake_complete or self.close_sent or self.disconnected or self.transport.is_closing():
-            raise ClientDisconnected()
-        try:
-            self.conn.send_text(text.encode())
-        except InvalidState:
-            raise ClientDisconnected() from None
-        self._queue_output()
+        self._send_frame(self.conn.send_text, text.encode())
 
     async def send(self, message: Any) -> None:
         if message["type"] != "websocket.send" or not self.handshake_complete or self.close_sent:
@@ -115,17 +110,17 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         data = message.get("bytes")
         if data is None:
-            self.send_now(message["text"])
-            return
-        if self.disconnected or self.transport.is_closing():
+            self._send_frame(self.conn.send_text, message["text"].encode())
+        else:
+            self._send_frame(self.conn.send_binary, data)
+
+    def _send_frame(self, frame: Callable[[bytes], None], payload: bytes) -> None:
+        if not self.handshake_complete or self.close_sent or self.disconnected or self.transport.is_closing():
             raise ClientDisconnected()
         try:
-            self.conn.send_binary(data)
+            frame(payload)
         except InvalidState:
             raise ClientDisconnected() from None
-        self._queue_output()
-
-    def _queue_output(self) -> None:
         for chunk in self.conn.data_to_send():
             self._out.append(chunk)
             self._out_bytes += len(chunk)
