@@ -52,7 +52,7 @@ class SocketSession:
         self.service = service
         self.calls: dict[str, Call] = {}
         self.send_now: Callable[[str], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
-        self.queue: asyncio.Queue[ClientMessage | None] = asyncio.Queue(SEND_QUEUE)
+        self.queue: asyncio.Queue[ClientMessage] = asyncio.Queue(SEND_QUEUE)
         self.overflowed = False
 
     def send(self, msg: ClientMessage) -> None:
@@ -67,20 +67,21 @@ class SocketSession:
             self.overflowed = True
 
     async def writer(self) -> None:
-        if self.send_now is not None:
-            return
+        """The send path under an ASGI server other than the frontend's own."""
         while True:
             msg = await self.queue.get()
-            if msg is None or self.overflowed:
+            if self.overflowed:
                 return
             await self.ws.send_text(to_json(msg))
 
     def live(self, rid: str | None) -> Call | None:
-        call = self.calls.get(rid) if rid is not None else None
-        if call is not None and call.ended.is_set():
-            del self.calls[rid]  # type: ignore[arg-type]
-            return None
-        return call
+        return self.calls.get(rid) if rid is not None else None
+
+    def _forget(self, call: Call) -> None:
+        """The call ended: its request_id is free on this socket (and the socket holds no
+        trace of it, however many calls it runs over its life)."""
+        if call.request_id is not None and self.calls.get(call.request_id) is call:
+            del self.calls[call.request_id]
 
     def append_error(self, rid: str | None, status: int, error: str) -> None:
         """The reply to an append, end_input or abort that was refused; no call ends by it."""
@@ -89,11 +90,10 @@ class SocketSession:
     async def handle(self, data: str | bytes) -> None:
         limit = self.service.config.max_message_bytes
         msg = parse_message(data, max_bytes=limit)
-        if isinstance(msg, ParseError):
-            await self._refused(msg)
-            return
         try:
-            if isinstance(msg, Opening):
+            if isinstance(msg, ParseError):
+                await self._refused(msg)
+            elif isinstance(msg, Opening):
                 await self._open(msg)
             elif isinstance(msg, Append | EndInput):
                 await self._append(msg)
@@ -128,7 +128,7 @@ class SocketSession:
     async def _open(self, o: Opening) -> None:
         if self.live(o.request_id) is not None:
             raise Conflict(f"request_id {o.request_id!r} is already in use by a live call")
-        call = await self.service.open_call(o, self.send, self)
+        call = await self.service.open_call(o, self.send, self, on_end=self._forget)
         if o.request_id is not None:
             self.calls[o.request_id] = call
 
@@ -194,7 +194,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
     async def generate_ws(ws: WebSocket) -> None:
         await ws.accept()
         session = SocketSession(ws, svc)
-        writer = asyncio.get_running_loop().create_task(session.writer())
+        writer = None if session.send_now is not None else asyncio.get_running_loop().create_task(session.writer())
         try:
             while not session.overflowed:
                 message = await ws.receive()
@@ -208,10 +208,10 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             pass
         finally:
             await session.close()
-            session.queue.put_nowait(None) if not session.queue.full() else None
-            writer.cancel()
-            with contextlib.suppress(BaseException):
-                await writer
+            if writer is not None:
+                writer.cancel()
+                with contextlib.suppress(BaseException):
+                    await writer
             if session.overflowed:
                 with contextlib.suppress(Exception):
                     await ws.close(1008, "client not reading")

@@ -71,6 +71,8 @@ class Call:
     recovering: bool = False
     fin: wire.Fin | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    on_end: Callable[[Call], None] | None = None  # the owner forgets it (a socket's request_ids)
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)  # waits after the fin
 
     _output_prefix: str | None = None
 
@@ -93,10 +95,8 @@ class FrontendService:
         self.js: JetStreamContext | None = None
         self.rids: KeyValue | None = None
         self.ready = asyncio.Event()
-        self.stopping = False
         self._drain_task: asyncio.Task[None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.tasks = TaskSet()  # unsubscribing, output recovery, late finishes
+        self.tasks = TaskSet()  # heartbeat, timeouts, unsubscribing, output recovery, finishes
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
         # Load the served model and check the config's client_streams against it now, so a
@@ -115,13 +115,10 @@ class FrontendService:
         kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS])
         self.rids = kvs[subjects.KV_REQUEST_IDS]
         fe = kvs[subjects.KV_FRONTENDS]
-        hb = wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0)
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(heartbeat(fe, self.frontend_id, lambda: wire.encode(hb), self.config.heartbeat_s)),
-            loop.create_task(every(0.25, self._check_timeouts, "timeouts")),
-            loop.create_task(self._wait_for_conductor()),
-        ]
+        hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
+        self.tasks.spawn(heartbeat(fe, self.frontend_id, lambda: hb, self.config.heartbeat_s))
+        self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
+        self.tasks.spawn(self._wait_for_conductor())
 
     async def _wait_for_conductor(self) -> None:
         """Opens are only published once the conductor's durable consumer exists (it starts at NEW)."""
@@ -134,6 +131,10 @@ class FrontendService:
                 return
             await asyncio.sleep(0.2)
 
+    @property
+    def stopping(self) -> bool:
+        return self._drain_task is not None
+
     def drain(self) -> asyncio.Task[None]:
         """Stop intake and let live calls end, for at most `shutdown_drain_s`; then end the
         rest with 503 (told to their clients). One drain however often it is asked for: the
@@ -144,7 +145,6 @@ class FrontendService:
 
     async def _drain(self) -> None:
         self.ready.clear()
-        self.stopping = True
         deadline = time.monotonic() + self.config.shutdown_drain_s
         while self.calls and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -156,11 +156,6 @@ class FrontendService:
     async def close(self) -> None:
         """Stop intake, drain, then stop the side tasks and leave the bus."""
         await self.drain()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
         await self.tasks.close()
         if self.js is not None:
             with contextlib.suppress(Exception):
@@ -182,7 +177,7 @@ class FrontendService:
         return m
 
     # -- calls -----------------------------------------------------------------
-    async def open_call(self, o: Opening, sink: Sink, owner: object) -> Call:
+    async def open_call(self, o: Opening, sink: Sink, owner: object, on_end: Callable[[Call], None] | None = None) -> Call:
         assert self.js is not None and self.nc is not None and self.rids is not None
         if not self.ready.is_set():
             raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
@@ -201,11 +196,11 @@ class FrontendService:
                 await self.rids.create(o.request_id, cid.encode())
             except KeyWrongLastSequenceError:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
-        call = Call(cid, o.request_id, inp, sink, owner, live)
+        call = Call(cid, o.request_id, inp, sink, owner, live, on_end=on_end)
         self.calls[cid] = call
         try:
             call.subs.append(await bus.subscribe_direct(self.nc, subjects.out(cid), self._on_out))
-            call.subs.append(await self.nc.subscribe(subjects.fin(cid), cb=self._on_fin))
+            call.subs.append(await bus.subscribe_direct(self.nc, subjects.fin(cid), self._on_fin))
             await self._publish_items(cid, prepared)
             await self.payloads.publish_once(
                 subjects.open_(cid),
@@ -283,12 +278,16 @@ class FrontendService:
         call's last message may reuse the request_id at once), then drop its subscriptions."""
         self.calls.pop(call.cid, None)
         call.input.close()
+        for t in call.timers:
+            t.cancel()
         if call.request_id is not None and self.rids is not None:
             with contextlib.suppress(Exception):
                 entry = await self.rids.get(call.request_id)
                 if entry.value == call.cid.encode():
                     await self.rids.delete(call.request_id, last=entry.revision)
         call.ended.set()
+        if call.on_end is not None:
+            call.on_end(call)
         if reply is not None:
             call.reply(reply)
         subs, call.subs = call.subs, []
@@ -311,28 +310,27 @@ class FrontendService:
             return
         if self.payloads.is_stored(m):
             self.tasks.spawn(self._accept_stored_output(call, m))
-        elif self._accept_output(call, m.data):
-            self.tasks.spawn(self._finish(call))
+        else:
+            self._accept_output(call, m.data)
 
     async def _accept_stored_output(self, call: Call, m: Msg) -> None:
-        if self._accept_output(call, await self.payloads.body(m)):
-            await self._finish(call)
+        self._accept_output(call, await self.payloads.body(m))
 
-    def _accept_output(self, call: Call, body: bytes) -> bool:
+    def _accept_output(self, call: Call, body: bytes) -> None:
         """Relay in per-partition seq order; hold what comes ahead of a gap; drop repeats.
-        True when that was the last output the call's fin counts: it can finish now."""
+        The last output a fin counts finishes the call."""
         try:
             o = wire.decode_as(body, wire.OutputMsg)
         except DuplexError:
-            return False
+            return
         nxt = call.next_out.get(o.partition, 0)
         if o.seq < nxt:
-            return False  # a replay after a worker was replaced
+            return  # a replay after a worker was replaced
         if o.seq > nxt:
             if len(call.held) < 10_000:
                 call.held[(o.partition, o.seq)] = o.json
                 call.gap_since = call.gap_since or time.monotonic()
-            return False
+            return
         call.relay_output(o.json)
         nxt += 1
         while (o.partition, nxt) in call.held:
@@ -341,7 +339,8 @@ class FrontendService:
         call.next_out[o.partition] = nxt
         if not call.held:
             call.gap_since = None
-        return call.fin is not None and self._all_outputs(call)
+        if call.fin is not None and self._all_outputs(call):
+            self.tasks.spawn(self._finish(call))
 
     async def _on_reconnect(self) -> None:
         """Outputs and fins published while we were disconnected: read them from the stream."""
@@ -364,8 +363,7 @@ class FrontendService:
                     if subjects.parse(subject).kind == subjects.FIN:
                         await self._accept_fin(call, body)
                     else:
-                        if self._accept_output(call, body):
-                            await self._finish(call)
+                        self._accept_output(call, body)
             except Exception:
                 log.exception("recovering the outputs of %s failed", call.cid)
             finally:
@@ -373,10 +371,10 @@ class FrontendService:
 
         self.tasks.spawn(recover())
 
-    async def _on_fin(self, m: Msg) -> None:
+    def _on_fin(self, m: Msg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is not None:
-            await self._accept_fin(call, m.data)
+            self.tasks.spawn(self._accept_fin(call, m.data))
 
     async def _accept_fin(self, call: Call, body: bytes) -> None:
         if call.fin is not None:
@@ -389,8 +387,8 @@ class FrontendService:
             await self._finish(call)
         else:
             loop = asyncio.get_running_loop()
-            loop.call_later(OUTPUT_RECOVER_S, self._recover_outputs, call)
-            loop.call_later(OUTPUT_GRACE_S, lambda: self.tasks.spawn(self._finish(call)))
+            call.timers.append(loop.call_later(OUTPUT_RECOVER_S, self._recover_outputs, call))
+            call.timers.append(loop.call_later(OUTPUT_GRACE_S, lambda: self.tasks.spawn(self._finish(call))))
 
     def _all_outputs(self, call: Call) -> bool:
         assert call.fin is not None
