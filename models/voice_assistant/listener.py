@@ -58,8 +58,7 @@ def load_vad_network(torch_threads: int | None = 1) -> Any:
 
 @dataclass
 class _CallState:
-    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # < WINDOW, not yet run
-    pending_pcm: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    pending_pcm: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))  # < WINDOW, not yet run
     state: Any = None  # torch tensor (2, 128)
     context: Any = None  # torch tensor (64,)
     samples: int = 0  # samples run through the VAD so far (stream position)
@@ -69,8 +68,6 @@ class _CallState:
     triggered: bool = False
     start_at: int = 0  # sample position of the open turn's start
     temp_end: int = 0  # sample position where the current silence began (0: none)
-    turn_samples: int = 0  # samples sent for the open turn
-    turn_started_sent: bool = False
     out_audio: list[np.ndarray] = field(default_factory=list)  # open turn's audio of this step
     speech_s: float = 0.0  # total voiced turn time
     ended: bool = False
@@ -203,19 +200,16 @@ class Listener(Partition):
                 st.turn += 1
                 st.start_at = pos
                 st.temp_end = 0
-                st.turn_samples = 0
                 at = round(pos / SAMPLE_RATE, 3)
                 out.append(Output(cid, {"type": "listen", "turn": st.turn, "at": at}))
                 out.append(EdgeItem(cid, "vad", Item(None, {"event": "speech_start", "turn": st.turn, "at": at})))
                 st.out_audio = list(st.preroll)
                 st.preroll.clear()
                 st.out_audio.append(pcm)
-                st.turn_samples += WINDOW
                 return
             st.preroll.append(pcm)  # the deque's maxlen drops the oldest window
             return
         st.out_audio.append(pcm)
-        st.turn_samples += WINDOW
         if p >= self.threshold:
             st.temp_end = 0
         elif p < self.neg_threshold and not st.temp_end:
