@@ -65,7 +65,6 @@ def load_voice() -> Any:
 @dataclass
 class _Reply:
     turn: int
-    text: str
     pieces: list[str]
     next_piece: int = 0
     segments: deque[tuple[str, np.ndarray]] = field(default_factory=deque)  # synthesized, unsent
@@ -213,7 +212,7 @@ class Talker(Partition):
             return
         self._barge_in(cid, st, turn, now, out)
         reply = reply_text(text)
-        st.reply = _Reply(turn, reply, split_pieces(reply, self.max_words))
+        st.reply = _Reply(turn, split_pieces(reply, self.max_words))
         st.replies += 1
         out.append(Output(cid, {"type": "reply", "turn": turn, "text": reply}))
 
