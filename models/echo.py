@@ -36,13 +36,12 @@ def frames_rms(frames: list[np.ndarray]) -> list[float]:
 
 
 class Encoder(Partition):
+    """Stateless: each frame's energy depends on that frame alone."""
+
     blocking = False
 
-    def __init__(self) -> None:
-        self._calls: set[str] = set()
-
     def open_call(self, call: CallInfo) -> None:
-        self._calls.add(call.cid)
+        pass
 
     def step(self, batch: list[StepInput]) -> list[Emission]:
         """One pass over the batch: the energy of every call's frames at once."""
@@ -57,7 +56,6 @@ class Encoder(Partition):
         return [EdgeItem(cid, "frames", Item(f, {"rms": r})) for (cid, f), r in zip(frames, rms, strict=True)]
 
     def close_call(self, cid: str) -> dict[str, Any]:
-        self._calls.discard(cid)
         return {}
 
 
