@@ -21,15 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/batching.py` finds `bench`
+
+from bench.stack import machine
 from duplexbus.models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition
 from duplexbus.shared.chunking import Chunk, Item
 from duplexbus.shared.model import CallInfo, StepInput
@@ -121,14 +124,12 @@ def bench_calls(p: TinyDuplexPartition, n: int, modes: list[str], args: argparse
     return results
 
 
-def machine(device: str) -> dict[str, Any]:
+def machine_info(device: str) -> dict[str, Any]:
+    """bench.stack.machine(), with torch's version and threads, the load average and the GPU if one is used."""
     info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        "host": machine(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "python": sys.version.split()[0],
         "load_avg_before": os.getloadavg(),
     }
     if device.startswith("cuda"):
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         f"caches prefilled up to {context}; {args.steps} steps x {args.runs} runs after {args.warmup} warm-up",
         flush=True,
     )
-    info = machine(p.device)
+    info = machine_info(p.device)
+    print(f"machine: {info['host']}", flush=True)
     results = []
     for n in calls:
         for r in bench_calls(p, n, modes, args, context):

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_assistant_rtf.py` finds `bench`
+
+from bench.stack import machine
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE, VoiceAssistantModel
 from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, word_error_rate
@@ -181,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parts = {p: model.create_partition(p) for p in model.topology.partitions}
     load_s = time.perf_counter() - t
+    host = machine()
+    print(f"machine: {host}")
     print(
-        f"voice_assistant RTF: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"call = {len(audio) / SAMPLE_RATE:.1f} s, {args.turns} turns; partitions loaded in {load_s:.1f} s"
+        f"voice_assistant RTF: call = {len(audio) / SAMPLE_RATE:.1f} s, {args.turns} turns; partitions loaded in {load_s:.1f} s"
     )
     results = []
     header = f"{'calls':>5} {'partition':<11} {'proc s':>8} {'RTF/call':>9} {'load':>7} {'batch':>6} {'RTF/out':>8}"
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"call_audio_s": len(audio) / SAMPLE_RATE, "results": results}, f, indent=2)
+            json.dump({"machine": host, "call_audio_s": len(audio) / SAMPLE_RATE, "results": results}, f, indent=2)
     return 0
 
 
