@@ -75,10 +75,10 @@ Subscribe = Callable[[nats.NATS, str, Callable[[Any], Awaitable[None]]], Awaitab
 
 async def core_sub_and_catch_up(nc: nats.NATS, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
     """A (chosen): core subscription per call, plus one catch-up read (an ephemeral consumer)."""
-    sub = await nc.subscribe(f"call.{cid}.*.audio_in", cb=cb)
+    sub = await nc.subscribe(subjects.consumed(cid, "audio_in"), cb=cb)
     await nc.flush()
     js = nc.jetstream()
-    cfg = ConsumerConfig(filter_subjects=[f"call.{cid}.*.audio_in"], deliver_policy=DeliverPolicy.ALL,
+    cfg = ConsumerConfig(filter_subjects=[subjects.consumed(cid, "audio_in")], deliver_policy=DeliverPolicy.ALL,
                          ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)  # fmt: skip
     info = await js.add_consumer(subjects.STREAM, cfg)
     await js.delete_consumer(subjects.STREAM, info.name)  # nothing stored yet: the read ends at once
@@ -87,7 +87,7 @@ async def core_sub_and_catch_up(nc: nats.NATS, cid: str, cb: Callable[[Any], Awa
 
 async def ordered_consumer(nc: nats.NATS, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
     """B (alternative): one ordered push consumer per call; every read through JetStream."""
-    return await nc.jetstream().subscribe(f"call.{cid}.in.audio_in", cb=cb, ordered_consumer=True, stream=subjects.STREAM)
+    return await nc.jetstream().subscribe(subjects.input_(cid, "audio_in"), cb=cb, ordered_consumer=True, stream=subjects.STREAM)
 
 
 async def measure(nc: nats.NATS, cids: list[str], items: int, subscribe: Subscribe) -> dict[str, float]:

@@ -444,7 +444,7 @@ async def test_edge_between_partitions_in_one_worker_is_still_stored(stack: Stac
     nc = await nats.connect(stack.nats_url)
     try:
         cid = final["finish"]["call_id"]
-        info = await nc.jetstream().stream_info(subjects.STREAM, subjects_filter=f"call.{cid}.>")
+        info = await nc.jetstream().stream_info(subjects.STREAM, subjects_filter=subjects.call_all(cid))
         held = info.state.subjects or {}
         assert held.get(subjects.edge(cid, "frames")) == 5, held
         assert held.get(subjects.edge_end(cid, "frames")) == 1, held

@@ -117,7 +117,7 @@ async def test_one_shot_queues_in_a_bounded_fifo_with_its_input_in_jetstream(sta
     nc = await nats.connect(stack.nats_url)
     try:
         for rid, n in (("q1", 5), ("q2", 3)):
-            info = await nc.jetstream().stream_info(subjects.STREAM, subjects_filter=f"call.{records[rid].cid}.>")
+            info = await nc.jetstream().stream_info(subjects.STREAM, subjects_filter=subjects.call_all(records[rid].cid))
             held = info.state.subjects or {}
             assert held.get(subjects.input_(records[rid].cid, "audio_in")) == n, held
             assert held.get(subjects.eoi(records[rid].cid, "audio_in")) == 1, held

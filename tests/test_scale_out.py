@@ -41,7 +41,7 @@ async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
-        cfg = ConsumerConfig(filter_subject="call.*.done.*", deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
+        cfg = ConsumerConfig(filter_subject=subjects.done("*", "*"), deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
         info = await js.add_consumer(subjects.STREAM, cfg)
         sub = await js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
         out: Counter[tuple[str, str]] = Counter()
