@@ -137,10 +137,7 @@ class Recognizer(Partition):
         """Throw the call's decoder away (not back to the pool) and end its open turn empty."""
         st.decoder = None
         if st.in_utt:
-            st.in_utt = False
-            st.turns = max(st.turns, st.turn)
-            out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": "", "final": True}))
-            out.append(EdgeItem(cid, "transcript", Item(None, {"turn": st.turn, "text": "", "short": False})))
+            self._emit_final(cid, st, "", short=False, out=out)
 
     def _item(self, cid: str, st: _CallState, item: Item, out: list[Emission]) -> None:
         meta = item.meta
@@ -176,7 +173,11 @@ class Recognizer(Partition):
     def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission]) -> None:
         st.decoder.end_utt()
         hyp = st.decoder.hyp()
-        text = hyp.hypstr.strip() if hyp is not None else ""
+        self._emit_final(cid, st, hyp.hypstr.strip() if hyp is not None else "", short=short, out=out)
+
+    @staticmethod
+    def _emit_final(cid: str, st: _CallState, text: str, short: bool, out: list[Emission]) -> None:
+        """Close the open turn: the final transcript to the client and on the `transcript` edge."""
         st.in_utt = False
         st.turns = max(st.turns, st.turn)
         out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": True}))
