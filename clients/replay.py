@@ -23,11 +23,10 @@ async def read_call(nc: Client, cid: str, config: ServingConfig) -> AsyncIterato
 
 def summarize(msg: wire.AnyMsg) -> dict[str, Any]:
     d: dict[str, Any] = msgspec.to_builtins(msg)
-    for key in ("item",):
-        item = d.get(key)
-        if isinstance(item, dict) and isinstance(item.get("data"), dict):
-            t = item["data"]
-            item["data"] = {"dtype": t["dtype"], "shape": t["shape"]}
+    item = d.get("item")
+    if isinstance(item, dict) and isinstance(item.get("data"), dict):
+        t = item["data"]
+        item["data"] = {"dtype": t["dtype"], "shape": t["shape"]}
     if isinstance(msg, wire.OutputMsg):
         data = json.loads(msg.json)
         if isinstance(data.get("audio"), str):
@@ -48,5 +47,5 @@ async def run_replay(args: argparse.Namespace) -> int:
             print(f"no messages for call {args.cid} in {subjects.STREAM}")
             return 1
     finally:
-        await nc.close()
+        await bus.close(nc)
     return 0
