@@ -14,6 +14,7 @@ import nats
 import numpy as np
 import pytest
 
+from bench.conductor_load import delivered
 from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects
 from duplexbus.shared.audio import encode_wav
@@ -72,16 +73,6 @@ async def test_twenty_concurrent_live_calls_every_byte_in_order(stack: Stack) ->
         await ws.close()
 
 
-async def conductor_delivered(nats_url: str) -> int:
-    nc = await nats.connect(nats_url)
-    try:
-        info = await nc.jetstream().consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
-        assert info.delivered is not None
-        return int(info.delivered.consumer_seq or 0)
-    finally:
-        await nc.close()
-
-
 async def test_conductor_messages_do_not_grow_with_appends(stack: Stack) -> None:
     """I-1: the conductor receives as many messages for 1,000 appends as for 10."""
     nc = await nats.connect(stack.nats_url)
@@ -93,11 +84,11 @@ async def test_conductor_messages_do_not_grow_with_appends(stack: Stack) -> None
     ws = await WS.connect(stack.ws_url())
     counts = []
     for n in (10, 1000):
-        before = await conductor_delivered(stack.nats_url)
+        before = await delivered(stack.nats_url)
         samples = np.arange(n * 160, dtype=np.int64).astype("<i2")
         await run_call(ws, f"count{n}", samples, [160] * n)
         await asyncio.sleep(0.5)  # let the conductor's acks land
-        counts.append(await conductor_delivered(stack.nats_url) - before)
+        counts.append(await delivered(stack.nats_url) - before)
     await ws.close()
     assert counts[0] == counts[1], counts
     assert counts[0] <= 6, counts  # open, eoi, two dones
