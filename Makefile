@@ -24,11 +24,7 @@ up: $(STAMP)
 system-deps:
 	@bash scripts/system-deps.sh
 
-test: $(STAMP) system-deps
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy -p duplexbus.shared -p duplexbus.services -p duplexbus.clients -p duplexbus.models -p duplexbus.cli -p duplexbus.supervisor
-	$(VENV)/bin/mypy bench tests
+test: $(STAMP) system-deps lint typecheck
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
