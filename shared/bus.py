@@ -270,3 +270,18 @@ async def subscribe_direct(nc: Client, subject: str, handler: Callable[[Msg], No
         while not queue.empty():  # anything that came in while subscribing
             sub._pending_queue.put_nowait(queue.get_nowait())
     return sub
+
+
+async def release_request_id(kv: KeyValue, request_id: str, cid: str) -> None:
+    """Free a live call's request_id, only if it is still this call's (a new call may hold it)."""
+    with contextlib.suppress(Exception):
+        entry = await kv.get(request_id)
+        if entry.value == cid.encode():
+            await kv.delete(request_id, last=entry.revision)
+
+
+async def unsubscribe_all(subs: list[Subscription]) -> None:
+    """Best effort: a subscription of a connection that is closing may already be gone."""
+    for sub in subs:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()

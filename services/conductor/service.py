@@ -131,7 +131,7 @@ class ConductorService:
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
                 await self.payloads.publish_once(subjects.fin(a.cid), wire.encode(a.msg))
-                await self._release_request_id(a.request_id, a.cid)
+                await bus.release_request_id(self.kv[subjects.KV_REQUEST_IDS], a.request_id, a.cid)
             elif isinstance(a, core.PublishAbort):
                 await self.js.publish(subjects.abort(a.cid), wire.encode(a.msg))
             elif isinstance(a, core.SaveRecord):
@@ -139,13 +139,6 @@ class ConductorService:
             elif isinstance(a, core.DeleteRecord):
                 with contextlib.suppress(Exception):
                     await self.kv[subjects.KV_CALLS].delete(a.cid)
-
-    async def _release_request_id(self, request_id: str, cid: str) -> None:
-        kv = self.kv[subjects.KV_REQUEST_IDS]
-        with contextlib.suppress(Exception):
-            entry = await kv.get(request_id)
-            if entry.value and entry.value.decode() == cid:
-                await kv.delete(request_id, last=entry.revision)
 
     async def _assign(self, a: core.SendAssign) -> None:
         assert self.nc is not None

@@ -281,10 +281,7 @@ class FrontendService:
         for t in call.timers:
             t.cancel()
         if call.request_id is not None and self.rids is not None:
-            with contextlib.suppress(Exception):
-                entry = await self.rids.get(call.request_id)
-                if entry.value == call.cid.encode():
-                    await self.rids.delete(call.request_id, last=entry.revision)
+            await bus.release_request_id(self.rids, call.request_id, call.cid)
         call.ended.set()
         if call.on_end is not None:
             call.on_end(call)
@@ -293,13 +290,7 @@ class FrontendService:
         subs, call.subs = call.subs, []
         # In a task of its own: unsubscribing from inside that subscription's callback (a fin
         # or the last output) would cancel the callback itself.
-        self.tasks.spawn(self._unsubscribe(subs))
-
-    @staticmethod
-    async def _unsubscribe(subs: list[Subscription]) -> None:
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        self.tasks.spawn(bus.unsubscribe_all(subs))
 
     # -- from the bus ----------------------------------------------------------
     def _on_out(self, m: Msg) -> None:

@@ -360,10 +360,8 @@ class WorkerService:
     async def _unsubscribe(self, call: _Assigned) -> None:
         if call.catchup is not None and not call.catchup.done() and call.catchup is not asyncio.current_task():
             call.catchup.cancel()
-        for sub in call.subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        call.subs.clear()
+        subs, call.subs = call.subs, []
+        await bus.unsubscribe_all(subs)
 
     # -- stepping ------------------------------------------------------------
     async def _step_loop(self, name: str, r: _Runner) -> None:
