@@ -192,10 +192,10 @@ class Call:
 class Conductor:
     """Admission, placement and completion for every call. Pure: no I/O, time comes in events."""
 
-    def __init__(self, config: ServingConfig, partitions_of: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, config: ServingConfig) -> None:
         self.config = config
         # model -> its partitions, learnt from worker heartbeats: the conductor loads no model code.
-        self.partitions_of: dict[str, list[str]] = dict(partitions_of or {})
+        self.partitions_of: dict[str, list[str]] = {}
         self.calls: dict[str, Call] = {}
         self.queue: deque[str] = deque()
         self.workers: dict[str, Worker] = {}
@@ -204,7 +204,9 @@ class Conductor:
     # -- queries -------------------------------------------------------------
     @property
     def active(self) -> int:
-        return sum(1 for c in self.calls.values() if c.state is not CallState.QUEUED)
+        """Calls holding a slot: every call but the queued ones (asked for on every open and
+        heartbeat, so counted, not scanned)."""
+        return len(self.calls) - len(self.queue)
 
     def handle(self, ev: Event) -> list[Action]:
         if isinstance(ev, Opened | Tick):

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
 from duplexbus.services.conductor import core
@@ -86,11 +86,20 @@ class ConductorService:
     async def _restore(self) -> None:
         kv = self.kv[subjects.KV_CALLS]
         records: list[wire.CallRecord] = []
-        with contextlib.suppress(NotFoundError, Exception):
-            for key in await kv.keys():
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            keys = []
+        except Exception:
+            log.exception("listing the call records failed: no call restored")
+            keys = []
+        for key in keys:
+            try:  # one unreadable record must not cost the others
                 entry = await kv.get(key)
                 if entry.value:
                     records.append(wire.decode_as(entry.value, wire.CallRecord))
+            except Exception:
+                log.exception("call record %s could not be restored", key)
         self.core.restore(records)
         if records:
             log.info("restored %d calls", len(records))
