@@ -97,11 +97,13 @@ def resolve_device(device: str | None = None) -> str:
     return chosen
 
 
-def frame_to_float(data: np.ndarray | None, size: int) -> np.ndarray:
+def frame_to_float(data: np.ndarray | None, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """One item as `size` float32 samples in [-1, 1]: PCM16 is scaled, floats are taken as
     already scaled, a short item is zero-padded and a long one cut (the framer makes
-    items of exactly `size`; this only keeps a malformed item from failing the batch)."""
-    out = np.zeros(size, dtype=np.float32)
+    items of exactly `size`; this only keeps a malformed item from failing the batch).
+    Written into `out` (`size` float32 zeros, e.g. a row of the batch) when given."""
+    if out is None:
+        out = np.zeros(size, dtype=np.float32)
     if data is None:
         return out
     a = np.asarray(data).reshape(-1)[:size]
@@ -357,20 +359,26 @@ class TinyDuplexPartition(Partition):
         return self._run(batch, batched=False)
 
     def _run(self, batch: list[StepInput], batched: bool) -> list[Emission]:
-        frames: dict[str, list[np.ndarray]] = {}
+        items: dict[str, list[np.ndarray | None]] = {}
+        states: dict[str, _CallState] = {}
         for s in batch:
-            self._state(s.cid)
-            if s.cid in frames:
+            state = self._state(s.cid)
+            if s.cid in items:
                 raise ValueError(f"call {s.cid!r} appears twice in one batch")
             chunk = s.chunks.get(EDGE)
-            frames[s.cid] = [frame_to_float(i.data, self.cfg.frame) for i in chunk.items] if chunk else []
+            items[s.cid] = [i.data for i in chunk.items] if chunk else []
+            states[s.cid] = state
         # FixedChunkPolicy(1) gives one item per call; a chunk of several (another policy,
         # a catch-up) is run as rounds of one position per call.
         out: list[Emission] = []
-        for r in range(max((len(f) for f in frames.values()), default=0)):
-            cids = [cid for cid, f in frames.items() if len(f) > r]
-            first = [self._state(cid).frames for cid in cids]
-            tokens, _ = self.forward(cids, np.stack([frames[cid][r] for cid in cids]), batched=batched)
+        size = self.cfg.frame
+        for r in range(max((len(f) for f in items.values()), default=0)):
+            cids = [cid for cid, f in items.items() if len(f) > r]
+            first = [states[cid].frames for cid in cids]
+            x = np.zeros((len(cids), size), dtype=np.float32)  # the round's frames, converted in place
+            for row, cid in zip(x, cids, strict=True):
+                frame_to_float(items[cid][r], size, out=row)
+            tokens, _ = self.forward(cids, x, batched=batched)
             out.extend(Output(cid, {"frame": i, "token": t}) for cid, i, t in zip(cids, first, tokens, strict=True))
         return out
 
