@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import websockets
 import yaml
-from nats.js.errors import NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from bench.stack import is_final
 from duplexbus.models.echo import FRAME
@@ -165,21 +165,18 @@ class Stack:
         """partition -> the test's process name of the worker running it, from the conductor's call records."""
         nc = await nats.connect(self.nats_url)
         try:
-            js = nc.jetstream()
-            calls = await js.key_value(subjects.KV_CALLS)
-            workers = await js.key_value(subjects.KV_WORKERS)
+            workers = await nc.jetstream().key_value(subjects.KV_WORKERS)
             pid_of = {}
             for key in await _keys(workers):
                 pid_of[key] = int(key.split("-")[1])  # worker ids are worker-{pid}-{random}
-            name_of = {p.p.pid: name for name, p in self.procs.items()}
-            out: dict[str, str] = {}
-            for key in await _keys(calls):
-                rec = wire.decode_as((await calls.get(key)).value or b"", wire.CallRecord)
-                for part, wid in rec.placement.items():
-                    out[part] = name_of[pid_of[wid]]
-            return out
         finally:
             await nc.close()
+        name_of = {p.p.pid: name for name, p in self.procs.items()}
+        out: dict[str, str] = {}
+        for rec in (await call_records(self.nats_url)).values():
+            for part, wid in rec.placement.items():
+                out[part] = name_of[pid_of[wid]]
+        return out
 
     def ws_url(self, i: int = 0) -> str:
         return f"ws://127.0.0.1:{self.ports[i]}/generate/ws"
@@ -215,13 +212,35 @@ async def running_stack(
         s.stop()
 
 
-async def _keys(kv: Any) -> list[str]:
-    """A bucket's keys. Listing is a watch, which can come back empty on a busy server."""
-    for _ in range(20):
+async def _keys(kv: Any, tries: int = 20) -> list[str]:
+    """A bucket's keys. Listing is a watch, which can come back empty on a busy server: an
+    empty listing is tried again, up to `tries` times in all."""
+    for i in range(tries):
         with contextlib.suppress(NoKeysError):
             return list(await kv.keys())
-        await asyncio.sleep(0.1)
+        if i + 1 < tries:
+            await asyncio.sleep(0.1)
     return []
+
+
+async def call_records(nats_url: str, tries: int = 20) -> dict[str, wire.CallRecord]:
+    """The conductor's call records (its calls bucket) by call id. `tries` as for `_keys`:
+    1 where an empty bucket is what the caller waits for."""
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.KV_CALLS)
+        out = {}
+        for key in await _keys(kv, tries):
+            try:
+                e = await kv.get(key)
+            except KeyNotFoundError:  # deleted since it was listed: the call ended meanwhile
+                continue
+            if e.value:
+                r = wire.decode_as(e.value, wire.CallRecord)
+                out[r.cid] = r
+        return out
+    finally:
+        await nc.close()
 
 
 def _ready_pid(url: str) -> int | None:

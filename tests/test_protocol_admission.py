@@ -13,13 +13,12 @@ import httpx
 import nats
 import numpy as np
 import pytest
-from nats.js.errors import KeyNotFoundError
 
 from duplexbus.models.echo import FRAME
 from duplexbus.services.conductor import core
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.config import parse_config
-from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm_file, running_stack
+from tests.helpers import WS, Stack, call_records, echo_bytes, nothing_for, pcm_file, running_stack
 
 CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}
 
@@ -30,37 +29,19 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
         yield s
 
 
-async def call_records(nats_url: str) -> dict[str, wire.CallRecord]:
-    """The conductor's call records by request_id."""
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(subjects.KV_CALLS)
-        out = {}
-        try:
-            keys = await kv.keys()
-        except Exception:  # no keys
-            return {}
-        for k in keys:
-            try:
-                e = await kv.get(k)
-            except KeyNotFoundError:  # deleted since it was listed: the call ended meanwhile
-                continue
-            if e.value:
-                r = wire.decode_as(e.value, wire.CallRecord)
-                out[r.request_id] = r
-        return out
-    finally:
-        await nc.close()
+async def records_by_rid(nats_url: str) -> dict[str, wire.CallRecord]:
+    """The conductor's call records by request_id; the listing is tried once, as these tests also wait for an empty bucket."""
+    return {r.request_id: r for r in (await call_records(nats_url, tries=1)).values()}
 
 
 async def until_records(nats_url: str, pred: object, timeout: float = 10.0) -> dict[str, wire.CallRecord]:
     deadline = time.monotonic() + timeout
     while True:
-        records = await call_records(nats_url)
-        if pred(records):  # type: ignore[operator]
-            return records
+        by_rid = await records_by_rid(nats_url)
+        if pred(by_rid):  # type: ignore[operator]
+            return by_rid
         if time.monotonic() > deadline:
-            raise TimeoutError(f"call records: {[(r.request_id, r.state) for r in records.values()]}")
+            raise TimeoutError(f"call records: {[(r.request_id, r.state) for r in by_rid.values()]}")
         await asyncio.sleep(0.05)
 
 
@@ -168,8 +149,7 @@ async def test_closed_socket_aborts_its_calls_and_frees_their_slots(stack: Stack
     for rid in ("c1", "c2"):
         m = await other.until(lambda m, rid=rid: m.get("request_id") == rid and ("output" in m or "error" in m))
         assert "output" in m, m  # admitted: the closed socket's slots were free
-    records = await call_records(stack.nats_url)
-    assert set(records) == {"c1", "c2"}  # the closed socket's calls, the queued one too, are gone
+    assert set(await records_by_rid(stack.nats_url)) == {"c1", "c2"}  # the closed socket's calls, the queued one too, are gone
     await end(other, "c1")
     await end(other, "c2")
     await other.close()
@@ -191,7 +171,7 @@ async def test_post_client_that_goes_away_ends_its_call(stack: Stack, idle: None
     await end(ws, "l1")
     await until_records(stack.nats_url, lambda r: "l1" not in r)
     await admitted(ws, "l3")  # the freed slot went to a new call, not to the one that left
-    assert set(await call_records(stack.nats_url)) == {"l2", "l3"}
+    assert set(await records_by_rid(stack.nats_url)) == {"l2", "l3"}
     await end(ws, "l2")
     await end(ws, "l3")
     await ws.close()
