@@ -106,11 +106,6 @@ class StreamBuffer:
         return self.buffered >= self.capacity
 
     @property
-    def received(self) -> int:
-        """Items received in order so far (released or not)."""
-        return self._next_expected
-
-    @property
     def missing(self) -> int | None:
         """The first seq known to be missing (a later item or the end count says it exists), else None."""
         if self._pending or (self.total is not None and self._next_expected < self.total):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -120,11 +121,12 @@ class Model(ABC):
 
     def default_stream(self) -> str | None:
         """The model's one audio stream, if it has exactly one."""
-        if "_default_stream" not in self.__dict__:  # computed once: asked for every file of every append
-            audio = [e for e, c in self.client_edges().items() if c.limits and c.limits.sample_rate]
-            self.__dict__["_default_stream"] = audio[0] if len(audio) == 1 else None
-        stream: str | None = self.__dict__["_default_stream"]
-        return stream
+        return self._default_stream
+
+    @cached_property
+    def _default_stream(self) -> str | None:  # computed once: asked for every file of every append
+        audio = [e for e, c in self.client_edges().items() if c.limits and c.limits.sample_rate]
+        return audio[0] if len(audio) == 1 else None
 
     def text_stream(self) -> str | None:
         return None

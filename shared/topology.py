@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,22 +64,16 @@ class PartitionTopology:
             if c.from_client and c.limits is None:
                 raise ValueError(f"client edge {c.edge_name!r} needs ClientStreamLimits")
 
+    @cached_property
+    def _client_edges(self) -> dict[str, Connection]:
+        return {c.edge_name: c for c in self.connections if c.from_client}
+
     def client_edges(self) -> dict[str, Connection]:
         """Client streams by edge name (built once: the frontend asks for every append)."""
-        edges: dict[str, Connection] | None = self.__dict__.get("_client_edges")
-        if edges is None:
-            edges = {c.edge_name: c for c in self.connections if c.from_client}
-            object.__setattr__(self, "_client_edges", edges)  # frozen: a cache, not state
-        return edges
+        return self._client_edges
 
     def inputs_of(self, partition: str) -> list[Connection]:
         return [c for c in self.connections if c.to_partition == partition]
 
     def outputs_of(self, partition: str) -> list[Connection]:
         return [c for c in self.connections if c.from_partition == partition]
-
-    def edge(self, name: str) -> Connection:
-        for c in self.connections:
-            if c.edge_name == name:
-                return c
-        raise KeyError(name)

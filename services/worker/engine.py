@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -341,12 +340,11 @@ class LocalPipeline:
         self.outputs: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         self.usage: dict[str, dict[str, dict[str, Any]]] = {}
         self.errors: dict[str, list[DuplexError]] = {}
-        self.output_times: dict[str, list[float]] = {}
 
     def open(self, cid: str, model_kwargs: dict[str, Any] | None = None) -> None:
         for eng in self.engines.values():
             eng.add_call(cid, model_kwargs)
-        self.outputs[cid], self.usage[cid], self.errors[cid], self.output_times[cid] = [], {}, [], []
+        self.outputs[cid], self.usage[cid], self.errors[cid] = [], {}, []
 
     def push(self, cid: str, edge: str, seq: int, item: Item) -> None:
         self._apply(self.engines[self._consumer[edge]].push(cid, edge, seq, item), None)
@@ -359,7 +357,6 @@ class LocalPipeline:
             if isinstance(a, PublishOutput):
                 assert partition is not None
                 self.outputs[a.cid].append((partition, a.data))
-                self.output_times[a.cid].append(time.monotonic())
             elif isinstance(a, PublishEdgeItem):
                 self.push(a.cid, a.edge, a.seq, a.item)
             elif isinstance(a, PublishEdgeEnd):
