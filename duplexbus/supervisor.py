@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,9 +94,13 @@ def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
     return children
 
 
-def wait_http(url: str, timeout: float, children: list[Child]) -> bool:
+def _never() -> bool:
+    return False
+
+
+def wait_http(url: str, timeout: float, children: list[Child], stopping: Callable[[], bool] = _never) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping():
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:
@@ -106,20 +111,24 @@ def wait_http(url: str, timeout: float, children: list[Child]) -> bool:
     return False
 
 
-def wait_workers(cfg: ServingConfig, expected: int, timeout: float, children: list[Child]) -> bool:
-    """Until `expected` workers heartbeat (their models load after the frontend is up)."""
+def wait_workers(
+    cfg: ServingConfig, expected: int, timeout: float, children: list[Child], stopping: Callable[[], bool] = _never
+) -> bool:
+    """Until `expected` workers heartbeat (their models load after the frontend is up), or `stopping()`."""
     import asyncio
 
     from duplexbus.shared import bus, subjects
 
     async def poll() -> bool:
         deadline = time.monotonic() + timeout
+        if stopping():
+            return False
         try:  # the config's credentials and TLS too; its connect retries until NATS answers
             nc = await asyncio.wait_for(bus.connect(cfg, "duplexbus-up"), timeout)
         except TimeoutError:
             return False
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not stopping():
                 if any(not c.alive() for c in children if c.name.startswith("worker")):
                     return False
                 with contextlib.suppress(Exception):
@@ -158,7 +167,8 @@ def tend(children: list[Child], env: dict[str, str], log_dir: Path, now: float) 
 
 def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     """Serve until SIGINT/SIGTERM. NATS is `cfg.nats_url` (the config's or $NATS_URL) when set,
-    else an embedded server. Returns 1 when the stack never became ready."""
+    else an embedded server. Returns 1 when the stack never became ready (a stop during
+    start-up, Ctrl-C say, ends the wait at once)."""
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -180,20 +190,20 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     else:
         print(f"using NATS at {cfg.nats_url}", flush=True)  # the children read the same config
     children = plan(opts, partitions)
-    ready = False
+    ready = failed = False
     try:
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
         workers = opts.workers if opts.colocate else len(partitions) * opts.workers
-        ready = wait_http(f"{url}/healthz", opts.ready_timeout, children) and wait_workers(
-            cfg, workers, opts.ready_timeout, children
+        ready = wait_http(f"{url}/healthz", opts.ready_timeout, children, lambda: stop) and wait_workers(
+            cfg, workers, opts.ready_timeout, children, lambda: stop
         )
         if ready:
             print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
-        else:
+        elif not stop:  # (a stop during start-up is no failure)
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)
-            stop = True
+            failed = stop = True
         while not stop:
             tend(children, env, log_dir, time.monotonic())
             time.sleep(POLL_S)
@@ -202,7 +212,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
         if server is not None:
             server.stop()
         print("stopped", flush=True)
-    return 0 if ready else 1
+    return 1 if failed else 0
 
 
 def stop_all(children: list[Child], timeout: float) -> None:

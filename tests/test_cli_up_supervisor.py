@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from duplexbus.shared.config import ServingConfig
-from duplexbus.supervisor import Child, UpOptions, run_up, tend, wait_workers
+from duplexbus.supervisor import Child, UpOptions, run_up, tend, wait_http, wait_workers
 
 
 def exited_child(tmp_path: Path) -> Child:
@@ -84,3 +84,10 @@ def test_up_uses_the_configs_nats_url_and_fails_when_never_ready(
     assert "using NATS at nats://127.0.0.1:1" in out
     assert "embedded" not in out
     assert "did not become ready" in out
+
+
+def test_the_readiness_waits_end_at_once_on_a_stop() -> None:
+    start = time.monotonic()
+    assert not wait_http("http://127.0.0.1:1/healthz", 30.0, [], lambda: True)
+    assert not wait_workers(ServingConfig(nats_url="nats://127.0.0.1:1"), 1, 30.0, [], lambda: True)
+    assert time.monotonic() - start < 1.0
