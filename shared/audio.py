@@ -85,9 +85,11 @@ class Framer:
         self._rest = buf[n * self.item_size :].copy()
         return frames
 
-    def count_after(self, n_units: int) -> int:
-        """Items `push` would produce for `n_units` more units (for limit checks before publishing)."""
-        return (len(self._rest) + n_units) // self.item_size
+    def count_after(self, n_units: int, flush: bool = False) -> int:
+        """Items `push` (then `flush`, with flush=True) would produce for `n_units` more units:
+        for limit checks before anything is published."""
+        n, rest = divmod(len(self._rest) + n_units, self.item_size)
+        return n + 1 if flush and rest else n
 
     def flush(self) -> np.ndarray | None:
         if not len(self._rest):

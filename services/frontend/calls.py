@@ -47,6 +47,7 @@ class CallInput:
     ) -> None:
         self.model = model
         self.edges = model.client_edges()
+        self.edge_order = sorted(self.edges)  # bounds are checked stream by stream in this order
         self.max_items = stream_limits
         self.max_input_bytes = max_input_bytes
         self.framers: dict[str, Framer] = {}
@@ -95,7 +96,7 @@ class CallInput:
                 "max_call_input_mb",
                 f"the call's files would total {self.input_bytes + charged} bytes, over {mb:g} MiB",
             )
-        for edge in sorted(live.keys() | ending) if ending or len(live) > 1 else live:
+        for edge in (e for e in self.edge_order if e in live or e in ending):
             new = self._count(edge, live.get(edge), flush=edge in ending)
             limit = self.max_items.get(edge)
             if limit is not None and self.published[edge] + new > limit:
@@ -162,11 +163,7 @@ class CallInput:
         framer = self.framers.get(edge)
         if framer is None:
             return len(d) if isinstance(d, list) else 0
-        units = 0 if d is None else len(d)
-        n = framer.count_after(units)
-        if flush and (framer.pending + units) % framer.item_size:
-            n += 1
-        return n
+        return framer.count_after(0 if d is None else len(d), flush=flush)
 
     def _frame(self, edge: str, d: StreamInput) -> list[Item]:
         framer = self.framers.get(edge)

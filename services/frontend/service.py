@@ -211,7 +211,7 @@ class FrontendService:
                         model=model_name,
                         frontend_id=self.frontend_id,
                         model_kwargs=o.input.model_kwargs,
-                        open_streams=sorted(set(inp.edges) - set(prepared.ended)),
+                        open_streams=sorted(inp.open_streams),
                         published=dict(inp.published),
                         live=live,
                     )
