@@ -259,6 +259,8 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         except DuplexError as e:
             return JSONResponse({"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status)
         opened.append(call)
+        # Under ASGI 2.3 Starlette also watches (and cancels lines()); under 2.4 only this
+        # does. Both end in _abort_soon, which aborts once.
         watcher = svc.tasks.spawn(_abort_when_gone(request, svc, call))
 
         async def lines() -> AsyncIterator[bytes]:
