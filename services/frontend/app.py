@@ -30,13 +30,26 @@ from duplexbus.services.frontend.protocol import (
 from duplexbus.services.frontend.service import Call, ClientMessage, FrontendService, to_json
 from duplexbus.services.frontend.websocket import DRAIN, SEND_NOW
 from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.errors import Conflict, DuplexError, LimitExceeded, ProtocolError
+from duplexbus.shared.errors import Aborted, Conflict, DuplexError, LimitExceeded, Overloaded, ProtocolError, UnknownCall
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 SEND_QUEUE = 8192  # server -> client messages waiting for a slow reader; past it the socket (or one-shot) ends
 NO_CALL = "no live call with this request_id on this socket (never opened here, or ended)"
+INTERNAL = DuplexError("internal error")  # status 500: a bug, not the client's doing
+
+
+def error_body(rid: str | None, err: DuplexError, append: bool = False) -> dict[str, Any]:
+    """The client's error message: the call's, or (append=True) a refused append's."""
+    body: dict[str, Any] = {"request_id": rid, "error": err.message, "status": err.status}
+    if append:
+        body["append"] = True
+    return body
+
+
+def error_response(rid: str | None, err: DuplexError) -> JSONResponse:
+    return JSONResponse(error_body(rid, err), status_code=err.status)
 
 
 class SocketSession:
@@ -83,9 +96,9 @@ class SocketSession:
         if call.request_id is not None and self.calls.get(call.request_id) is call:
             del self.calls[call.request_id]
 
-    def append_error(self, rid: str | None, status: int, error: str) -> None:
+    def append_error(self, rid: str | None, err: DuplexError) -> None:
         """The reply to an append, end_input or abort that was refused; no call ends by it."""
-        self.send({"request_id": rid, "append": True, "error": error, "status": status})
+        self.send(error_body(rid, err, append=True))
 
     async def handle(self, data: str | bytes) -> None:
         limit = self.service.config.max_message_bytes
@@ -100,14 +113,14 @@ class SocketSession:
             else:
                 await self._abort(msg)
         except DuplexError as e:
-            self.send({"request_id": msg.request_id, "error": e.message, "status": e.status})
+            self.send(error_body(msg.request_id, e))
         except Exception:  # I-4: a bug here ends at most the call it concerns, never the socket
             log.exception("handling a %s failed", type(msg).__name__)
             call = None if isinstance(msg, Opening) else self.live(msg.request_id)
             if call is not None:
-                await self.service.abort(call, "internal error", 500, tell_client=True)
+                await self.service.abort(call, INTERNAL.message, INTERNAL.status, tell_client=True)
             else:
-                self.send({"request_id": msg.request_id, "error": "internal error", "status": 500})
+                self.send(error_body(msg.request_id, INTERNAL))
 
     async def _refused(self, p: ParseError) -> None:
         call = self.live(p.request_id) if valid_request_id(p.request_id) else None
@@ -115,15 +128,15 @@ class SocketSession:
             if call is not None:  # a malformed append is a rejected append: it ends the call
                 await self._reject_append(call, p.error)
             else:
-                self.append_error(p.request_id, p.error.status, p.error.message)
+                self.append_error(p.request_id, p.error)
             return
         if p.kind == "opening" and call is not None:
             # An opening under a live request_id is a 409 whatever else is wrong with it: an
             # error reply of any other status under a live request_id means that call ended.
             err = Conflict(f"request_id {p.request_id!r} is already in use by a live call ({p.error.message})")
-            self.send({"request_id": p.request_id, "error": err.message, "status": err.status})
+            self.send(error_body(p.request_id, err))
             return
-        self.send({"request_id": p.request_id, "error": p.error.message, "status": p.error.status})
+        self.send(error_body(p.request_id, p.error))
 
     async def _open(self, o: Opening) -> None:
         if self.live(o.request_id) is not None:
@@ -135,10 +148,10 @@ class SocketSession:
     async def _append(self, a: Append | EndInput) -> None:
         call = self.live(a.request_id)
         if call is None:
-            self.append_error(a.request_id, 404, NO_CALL)
+            self.append_error(a.request_id, UnknownCall(NO_CALL))
             return
         if call.input.state is not InputState.OPEN:
-            self.append_error(a.request_id, 409, "the call's input has ended (end_input); the call goes on")
+            self.append_error(a.request_id, Conflict("the call's input has ended (end_input); the call goes on"))
             return
         try:
             if isinstance(a, Append):
@@ -151,9 +164,10 @@ class SocketSession:
     async def _abort(self, a: AbortCall) -> None:
         call = self.live(a.request_id)
         if call is None:
-            self.append_error(a.request_id, 404, NO_CALL)
+            self.append_error(a.request_id, UnknownCall(NO_CALL))
         else:
-            await self.service.abort(call, "aborted by the client", 499, tell_client=True)
+            err = Aborted("aborted by the client")
+            await self.service.abort(call, err.message, err.status, tell_client=True)
 
     async def _reject_append(self, call: Call, e: DuplexError) -> None:
         """A rejected append ends the call with its error and no finish."""
@@ -225,15 +239,14 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             size += len(part)
             if size > limit:
                 big = LimitExceeded("max_message_mb", f"a request body over the limit of {limit} bytes")
-                return JSONResponse({"request_id": None, "error": big.message, "status": 400}, status_code=400)
+                return error_response(None, big)
             chunks.append(part)
         msg = parse_message(b"".join(chunks), one_shot=True)
         if isinstance(msg, ParseError):
-            body = {"request_id": msg.request_id, "error": msg.error.message, "status": msg.error.status}
-            return JSONResponse(body, status_code=msg.error.status)
+            return error_response(msg.request_id, msg.error)
         if not isinstance(msg, Opening):
             err = ProtocolError("POST /generate takes an opening (no append, end_input alone or abort)")
-            return JSONResponse({"request_id": msg.request_id, "error": err.message, "status": 400}, status_code=400)
+            return error_response(msg.request_id, err)
         buf: deque[ClientMessage] = deque()
         more = asyncio.Event()
         opened: list[Call] = []
@@ -246,10 +259,10 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             if len(buf) >= SEND_QUEUE:
                 # The client is not reading: end the call rather than buffer without bound.
                 overflowed = True
-                error = f"the client was not reading its results ({SEND_QUEUE} messages waiting)"
-                buf.append({"request_id": msg.request_id, "error": error, "status": 503})
+                err = Overloaded(f"the client was not reading its results ({SEND_QUEUE} messages waiting)")
+                buf.append(error_body(msg.request_id, err))
                 if opened:
-                    svc.tasks.spawn(svc.abort(opened[0], error, 503))
+                    svc.tasks.spawn(svc.abort(opened[0], err.message, err.status))
             else:
                 buf.append(m)
             more.set()
@@ -257,7 +270,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         try:
             call = await svc.open_call(msg, sink, request)
         except DuplexError as e:
-            return JSONResponse({"request_id": msg.request_id, "error": e.message, "status": e.status}, status_code=e.status)
+            return error_response(msg.request_id, e)
         opened.append(call)
         # Under ASGI 2.3 Starlette also watches (and cancels lines()); under 2.4 only this
         # does. Both end in _abort_soon, which aborts once.
