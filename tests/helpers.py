@@ -162,20 +162,15 @@ class Stack:
             await nc.close()
 
     async def workers_of_live_calls(self) -> dict[str, str]:
-        """partition -> the test's process name of the worker running it, from the conductor's call records."""
-        nc = await nats.connect(self.nats_url)
-        try:
-            workers = await nc.jetstream().key_value(subjects.KV_WORKERS)
-            pid_of = {}
-            for key in await _keys(workers):
-                pid_of[key] = int(key.split("-")[1])  # worker ids are worker-{pid}-{random}
-        finally:
-            await nc.close()
+        """partition -> the test's process name of the worker the conductor placed it on, from
+        its call records. The pid is read from the worker id (worker-{pid}-{random}), not
+        looked up in the heartbeat bucket: a killed worker's heartbeat can expire while the
+        conductor has yet to move its partitions."""
         name_of = {p.p.pid: name for name, p in self.procs.items()}
         out: dict[str, str] = {}
         for rec in (await call_records(self.nats_url)).values():
             for part, wid in rec.placement.items():
-                out[part] = name_of[pid_of[wid]]
+                out[part] = name_of[int(wid.split("-")[1])]
         return out
 
     def ws_url(self, i: int = 0) -> str:
