@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from duplexbus.shared.config import ServingConfig, load_config
-from duplexbus.shared.errors import BadRequest, ConfigError
+from duplexbus.shared.errors import ConfigError
 from duplexbus.shared.service import install_stop_signals, setup_logging, tune_gc
 
 
@@ -79,14 +79,11 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from duplexbus.models.registry import get_model
+    from duplexbus.models.registry import served_model
     from duplexbus.supervisor import UpOptions, run_up
 
     cfg = _config(args)
-    try:
-        partitions = get_model(cfg.model).topology.partitions
-    except BadRequest as e:  # an unknown model
-        raise ConfigError("model", str(e)) from None
+    partitions = served_model(cfg.model).topology.partitions
     opts = UpOptions(
         config=args.config,
         model=args.model,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from duplexbus.shared.errors import BadRequest
+from duplexbus.shared.errors import BadRequest, ConfigError
 from duplexbus.shared.model import Model
 
 MODELS: dict[str, str] = {
@@ -23,3 +23,12 @@ def get_model(name: str) -> Model:
         module, cls = MODELS[name].split(":")
         _cache[name] = getattr(importlib.import_module(module), cls)()
     return _cache[name]
+
+
+def served_model(name: str) -> Model:
+    """The model a process is configured to serve: an unknown name is a start-up error
+    naming the config key (a client asking for one gets get_model's 400 instead)."""
+    try:
+        return get_model(name)
+    except BadRequest as e:
+        raise ConfigError("model", e.message) from None

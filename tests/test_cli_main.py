@@ -14,8 +14,9 @@ from duplexbus.cli import main
 from duplexbus.shared.embedded import free_port
 
 
-def test_up_with_an_unknown_model_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["up", "--model", "nope"]) == 2
+@pytest.mark.parametrize("argv", [["up"], ["worker"], ["frontend"]])
+def test_an_unknown_model_is_a_config_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    assert main([*argv, "--model", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: model: unknown model 'nope'; served: ")
     assert "Traceback" not in err and err.count("\n") == 1

@@ -22,15 +22,13 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from duplexbus.models.registry import get_model
+from duplexbus.models.registry import get_model, served_model
 from duplexbus.services.frontend.calls import CallInput, InputState, Prepared
 from duplexbus.services.frontend.protocol import Append, EndInput, Opening
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import (
-    BadRequest,
     CallTimeout,
-    ConfigError,
     Conflict,
     DuplexError,
     Overloaded,
@@ -100,11 +98,9 @@ class FrontendService:
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
         # Load the served model and check the config's client_streams against it now, so a
-        # bad bound stops the process at start-up with an error naming the key.
-        try:
-            self.model(self.default_model)
-        except BadRequest as e:  # an unknown model name
-            raise ConfigError("model", e.message) from None
+        # bad name or bound stops the process at start-up with an error naming the key.
+        served_model(self.default_model)
+        self.model(self.default_model)
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:

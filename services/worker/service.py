@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from duplexbus.models.registry import get_model
+from duplexbus.models.registry import served_model
 from duplexbus.services.worker import engine as eng
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
@@ -62,7 +62,7 @@ class WorkerService:
         self, config: ServingConfig, model: str, partitions: list[str] | None = None, worker_id: str | None = None
     ) -> None:
         self.config = config
-        self.model = get_model(model)
+        self.model = served_model(model)
         self.model_name = model
         topo = self.model.topology
         self.partitions = partitions or list(topo.partitions)
