@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -15,9 +16,21 @@ from types import TracebackType
 
 import nats
 from nats.js.errors import NoKeysError
+from nats.js.kv import KeyValue
 
 from duplexbus.shared import subjects
 from duplexbus.shared.embedded import free_port
+
+
+async def bucket_keys(kv: KeyValue, tries: int = 20) -> list[str]:
+    """A bucket's keys. Listing is a watch, which can come back empty on a busy server: an
+    empty listing is tried again, up to `tries` times in all (0.1 s apart)."""
+    for i in range(tries):
+        with contextlib.suppress(NoKeysError):
+            return list(await kv.keys())
+        if i + 1 < tries:
+            await asyncio.sleep(0.1)
+    return []
 
 
 def is_final(m: dict) -> bool:
@@ -63,15 +76,8 @@ class UpStack:
         nc = await nats.connect(self.nats_url)
         try:
             kv = await nc.jetstream().key_value(subjects.KV_WORKERS)
-            ids: list[str] = []
-            for _ in range(5):  # listing keys is a watch that can come back empty on a busy server
-                try:
-                    ids = await kv.keys()
-                    break
-                except NoKeysError:
-                    await asyncio.sleep(0.5)
             out = []
-            for wid in ids:
+            for wid in await bucket_keys(kv):
                 r = await nc.request(subjects.worker_stats(wid), b"reset" if reset else b"", timeout=5)
                 out.append(json.loads(r.data))
             return out

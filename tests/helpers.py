@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import websockets
 import yaml
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 
-from bench.stack import is_final
+from bench.stack import bucket_keys, is_final
 from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects, wire
 from duplexbus.shared.audio import b64_pcm16
@@ -207,25 +207,14 @@ async def running_stack(
         s.stop()
 
 
-async def _keys(kv: Any, tries: int = 20) -> list[str]:
-    """A bucket's keys. Listing is a watch, which can come back empty on a busy server: an
-    empty listing is tried again, up to `tries` times in all."""
-    for i in range(tries):
-        with contextlib.suppress(NoKeysError):
-            return list(await kv.keys())
-        if i + 1 < tries:
-            await asyncio.sleep(0.1)
-    return []
-
-
 async def call_records(nats_url: str, tries: int = 20) -> dict[str, wire.CallRecord]:
-    """The conductor's call records (its calls bucket) by call id. `tries` as for `_keys`:
+    """The conductor's call records (its calls bucket) by call id. `tries` as for `bucket_keys`:
     1 where an empty bucket is what the caller waits for."""
     nc = await nats.connect(nats_url)
     try:
         kv = await nc.jetstream().key_value(subjects.KV_CALLS)
         out = {}
-        for key in await _keys(kv, tries):
+        for key in await bucket_keys(kv, tries):
             try:
                 e = await kv.get(key)
             except KeyNotFoundError:  # deleted since it was listed: the call ended meanwhile
