@@ -63,11 +63,12 @@ class CpuWatch:
     """The share of the machine's CPU time used by processes outside this benchmark (others' jobs).
 
     Busy time of the whole machine (/proc/stat) minus that of this process and of the
-    `duplexbus up` process tree, over a level's run.
+    `duplexbus up` process tree (UpStack.cpu_seconds), over a level's run.
     """
 
-    def __init__(self, root_pid: int) -> None:
-        self.roots = {os.getpid(), root_pid}
+    def __init__(self, stack: UpStack) -> None:
+        self.stack = stack
+        self.tick = os.sysconf("SC_CLK_TCK")  # /proc/stat counts in these
         self.start = self._sample()
 
     @staticmethod
@@ -76,30 +77,8 @@ class CpuWatch:
             v = [int(x) for x in f.readline().split()[1:9]]
         return sum(v) - v[3] - v[4], sum(v)  # busy, total (idle and iowait are not busy)
 
-    def _mine(self) -> int:
-        parent: dict[int, int] = {}
-        ticks: dict[int, int] = {}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(d)] = int(fields[1])
-            ticks[int(d)] = int(fields[11]) + int(fields[12])
-        total = 0
-        for pid, t in ticks.items():
-            p = pid
-            while p > 1 and p not in self.roots:
-                p = parent.get(p, 0)
-            if p in self.roots:
-                total += t
-        return total
-
-    def _sample(self) -> tuple[int, int, int]:
-        return (*self._machine(), self._mine())
+    def _sample(self) -> tuple[int, int, float]:
+        return (*self._machine(), sum(self.stack.cpu_seconds().values()) * self.tick)
 
     def others(self) -> float:
         """Others' share of all cores since the last call (0..1); starts a new interval."""
@@ -351,7 +330,7 @@ async def main() -> None:
     speech = clips()
     results = []
     with UpStack("voice_assistant", config={"max_concurrent_requests": max(args.calls) + 8}) as stack:
-        watch = CpuWatch(stack.proc.pid)
+        watch = CpuWatch(stack)
         n = max(args.calls)
         warm_jobs = []
         for i in range(n):
