@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,29 @@ from nats.js.kv import KeyValue
 
 from duplexbus.shared import subjects
 from duplexbus.shared.embedded import free_port
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive free ports (`up --frontends n --port P` serves on P .. P + n - 1).
+
+    Each is bound once to check; another process may still take one before `up` does."""
+    for _ in range(100):
+        base = free_port(host)
+        if base + n > 65536:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for p in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind((host, p))
+        except OSError:
+            continue
+        else:
+            return base
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"found no {n} consecutive free ports")
 
 
 async def bucket_keys(kv: KeyValue, tries: int = 20) -> list[str]:
@@ -42,7 +66,7 @@ class UpStack:
     def __init__(
         self, model: str = "echo", frontends: int = 1, workers: int = 1, config: dict | None = None, colocate: bool = False
     ) -> None:
-        self.port = free_port()
+        self.port = free_ports(frontends)
         self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-"))
         cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", model, "--port", str(self.port)]
         cmd += ["--frontends", str(frontends), "--workers", str(workers), "--run-dir", str(self.dir / "run")]

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from bench.stack import free_ports
 from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects, wire
-from duplexbus.shared.embedded import free_port
 from tests.helpers import WS, echo_bytes, pcm_file
 
 
@@ -57,9 +57,7 @@ async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
 async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate: bool) -> None:
     """`up --frontends 2 --workers 2`: calls spread over both workers of each partition. With
     `--colocate` the two worker processes each run both partitions."""
-    port = free_port()
-    while free_port() == port + 1:  # the second frontend takes port + 1
-        pass
+    port = free_ports(2)  # the second frontend takes port + 1
     env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
     cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", "echo", "--frontends", "2", "--workers", "2"]
     cmd += ["--port", str(port), "--run-dir", str(tmp_path / "run")] + (["--colocate"] if colocate else [])
