@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from duplexbus.shared.audio import encode_wav
-from tests.helpers import Stack
+from tests.helpers import Stack, running_stack
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -70,11 +70,8 @@ def mic_wav(path: Path) -> float:
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    s = Stack(nats_url, {"model": "voice_assistant"})
-    await s.start()
-    await s.wait_workers(1)
-    yield s
-    s.stop()
+    async with running_stack(nats_url, {"model": "voice_assistant"}) as s:
+        yield s
 
 
 async def test_page_talks_with_the_assistant(stack: Stack, tmp_path: Path) -> None:

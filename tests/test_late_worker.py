@@ -8,14 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from duplexbus.models.echo import FRAME
-from tests.helpers import WS, Stack, echo_bytes, nothing_for, pcm_file
+from tests.helpers import WS, echo_bytes, nothing_for, pcm_file, running_stack
 
 
 async def test_input_before_any_worker_is_not_lost(nats_url: str) -> None:
     """I-2: every append published before a worker exists is processed once one starts."""
-    s = Stack(nats_url, {"model": "echo", "placement_timeout_s": 60})
-    await s.start(workers=[])
-    try:
+    async with running_stack(nats_url, {"model": "echo", "placement_timeout_s": 60}, workers=[]) as s:
         ws = await WS.connect(s.ws_url())
         samples = np.arange(40 * FRAME, dtype=np.int64).astype("<i2")
         await ws.send({"request_id": "early"})
@@ -29,5 +27,3 @@ async def test_input_before_any_worker_is_not_lost(nats_url: str) -> None:
         outs = ws.outputs("early")
         assert echo_bytes(outs) == samples.tobytes()
         await ws.close()
-    finally:
-        s.stop()

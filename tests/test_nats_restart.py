@@ -15,32 +15,34 @@ from tests.helpers import WS, Stack, echo_bytes, pcm_file
 async def test_server_killed_and_restarted_mid_call() -> None:
     store = tempfile.mkdtemp(prefix="duplexbus-nats-restart-")
     server = NatsServer(store).start()
-    stack = Stack(server.url, {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 10.0})
     try:
-        await stack.start(workers=[["Encoder"], ["Talker"]])
-        await stack.wait_workers(2)
-        ws = await WS.connect(stack.ws_url())
-        samples = (np.arange(40 * FRAME) % 25000).astype("<i2")
-        await ws.send({"request_id": "outage"})
-        for k in range(20):
-            await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
-            await asyncio.sleep(0.02)
-        await ws.until(lambda m: "output" in m and m["output"]["frame"] >= 10, timeout=20, keep=True)
-        server.kill()
-        for k in range(20, 30):  # appends during the outage wait in the frontend's client buffer
-            await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
-            await asyncio.sleep(0.02)
-        server = NatsServer(store, port=server.port).start()  # same port, same store
-        for k in range(30, 40):
-            await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
-            await asyncio.sleep(0.02)
-        await ws.send({"request_id": "outage", "end_input": True})
-        final = await ws.final("outage", timeout=60)
-        assert "finish" in final, (final, stack.logs())
-        outs = ws.outputs("outage")
-        assert [o["frame"] for o in outs] == list(range(40))
-        assert echo_bytes(outs) == samples.tobytes()
-        await ws.close()
+        stack = Stack(server.url, {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 10.0})
+        try:
+            await stack.start(workers=[["Encoder"], ["Talker"]])
+            await stack.wait_workers(2)
+            ws = await WS.connect(stack.ws_url())
+            samples = (np.arange(40 * FRAME) % 25000).astype("<i2")
+            await ws.send({"request_id": "outage"})
+            for k in range(20):
+                await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
+                await asyncio.sleep(0.02)
+            await ws.until(lambda m: "output" in m and m["output"]["frame"] >= 10, timeout=20, keep=True)
+            server.kill()
+            for k in range(20, 30):  # appends during the outage wait in the frontend's client buffer
+                await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
+                await asyncio.sleep(0.02)
+            server = NatsServer(store, port=server.port).start()  # same port, same store
+            for k in range(30, 40):
+                await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
+                await asyncio.sleep(0.02)
+            await ws.send({"request_id": "outage", "end_input": True})
+            final = await ws.final("outage", timeout=60)
+            assert "finish" in final, (final, stack.logs())
+            outs = ws.outputs("outage")
+            assert [o["frame"] for o in outs] == list(range(40))
+            assert echo_bytes(outs) == samples.tobytes()
+            await ws.close()
+        finally:
+            stack.stop()
     finally:
-        stack.stop()
-        server.stop()
+        server.stop()  # the restarted one, or the first if the test failed before the restart

@@ -28,7 +28,7 @@ from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from duplexbus.shared.audio import pcm16_from_b64
 from duplexbus.shared.stats import percentile
-from tests.helpers import Stack, pcm
+from tests.helpers import Stack, pcm, running_stack
 
 CLIP_SEED = 20_240_601
 SENTENCES = SAMPLE_SENTENCES
@@ -53,11 +53,8 @@ def speech() -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
     # One worker process per partition, as `duplexbus up` runs them: every edge crosses the bus.
-    s = Stack(nats_url, {"model": "voice_assistant"})
-    await s.start(workers=[["Listener"], ["Recognizer"], ["Talker"]])
-    await s.wait_workers(3)
-    yield s
-    s.stop()
+    async with running_stack(nats_url, {"model": "voice_assistant"}, workers=[["Listener"], ["Recognizer"], ["Talker"]]) as s:
+        yield s
 
 
 def audio_of(*parts: np.ndarray | float) -> np.ndarray:
