@@ -153,7 +153,6 @@ def test_restore_from_records_carries_on() -> None:
     c.handle(hb("w1", PARTS))
     acts = c.handle(opened("a"))
     ack_all(c, "a", acts)
-    record = c.calls["a"].record()
     c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0)))
     record = c.calls["a"].record()
     fresh = conductor()
