@@ -3,7 +3,6 @@ conductor, one echo worker and two frontends as processes on a real nats-server.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
@@ -431,7 +430,6 @@ async def test_post_generate_refuses_a_live_request_id(stack: Stack, ws: WS) -> 
         assert r.status_code == 400 and r.json()["error"].startswith("max_message_mb:")
         assert time.monotonic() - t < 10
     await finish(ws, "postdup", x)
-    await asyncio.sleep(0)
 
 
 async def test_edge_between_partitions_in_one_worker_is_still_stored(stack: Stack, ws: WS) -> None:
