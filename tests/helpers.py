@@ -80,7 +80,6 @@ class Stack:
         cfg = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0, **(config or {})}
         self.config_path = self.dir / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
-        self.config = cfg
         self.procs: dict[str, Proc] = {}
         self.ports: list[int] = []
         self.port_owner: dict[int, str] = {}
