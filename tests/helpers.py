@@ -236,8 +236,9 @@ def pcm(samples: np.ndarray) -> str:
     return b64_pcm16(samples)
 
 
-def pcm_file(samples: np.ndarray, name: str = "a.pcm", stream: str | None = None) -> dict[str, Any]:
-    f = {"name": name, "data": pcm(samples)}
+def pcm_file(samples: np.ndarray, stream: str | None = None) -> dict[str, Any]:
+    """A raw PCM16 client file (`a.pcm`) of `samples`, for `stream` if given."""
+    f = {"name": "a.pcm", "data": pcm(samples)}
     if stream:
         f["stream"] = stream
     return f
