@@ -109,9 +109,9 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
     from tests.helpers import Stack
 
     stack = Stack(nats_url, {"model": "echo"})
-    await stack.start(workers=[None], frontends=0)
     fe = FrontendService(parse_config({"nats_url": nats_url, "model": "echo"}))
     try:
+        await stack.start(workers=[None], frontends=0)
         await stack.wait_workers(1)
         await fe.start()
         await asyncio.wait_for(fe.ready.wait(), 20)
