@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -48,18 +50,17 @@ def test_engine_lists_calls_waiting_on_a_lost_item() -> None:
     assert e.missing() == {"a": (("in", 0),)}
 
 
-async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
+@contextlib.asynccontextmanager
+async def lossy_worker(nats_url: str, drop: Callable[[str, bytes], bool]) -> AsyncIterator[tuple[WorkerService, Any]]:
+    """An echo worker (both partitions) whose live subscriptions lose what `drop` picks, once
+    each; with a client connection to drive it."""
     cfg = parse_config({"nats_url": nats_url, "model": "echo"})
     svc = WorkerService(cfg, "echo")
     real = svc._take
-    dropped: list[int] = []
 
     def lossy(subject: str, data: bytes, live: bool) -> Any:
-        # the live subscription loses item 5 of the client stream, once
-        if live and subject.endswith(".in.audio_in") and not dropped:
-            if wire.decode_as(data, wire.InputItem).seq == 5:
-                dropped.append(5)
-                return [], ""
+        if live and drop(subject, data):
+            return [], ""
         return real(subject, data, live)
 
     svc._take = lossy  # type: ignore[method-assign]
@@ -72,34 +73,85 @@ async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
-        cid = subjects.new_cid()
-        frames: list[int] = []
-        done = asyncio.Event()
-
-        async def on_out(m: Any) -> None:
-            frames.append(json.loads(wire.decode_as(m.data, wire.OutputMsg).json)["frame"])
-            if len(frames) == 20:
-                done.set()
-
-        await nc.subscribe(subjects.out(cid), cb=on_out)
-        reply = await nc.request(
-            subjects.assign(svc.worker_id),
-            wire.encode(wire.Assign(cid=cid, model="echo", partitions=["Encoder", "Talker"])),
-            timeout=5,
-        )
-        assert wire.decode_as(reply.data, wire.AssignReply).ok
-        for seq in range(20):
-            item = wire.WireItem.from_item(Item(np.full(1280, seq, dtype="<i2")))
-            await nc.publish(subjects.input_(cid, "audio_in"), wire.encode(wire.InputItem(seq=seq, item=item)))
-        await nc.jetstream().publish(subjects.eoi(cid, "audio_in"), wire.encode(wire.EndOfInput(total=20)))
-        await asyncio.wait_for(done.wait(), timeout=10)
-        assert dropped == [5]
-        assert frames == list(range(20))
-        assert svc.repairs >= 1
+        yield svc, nc
     finally:
         stop.set()
         await asyncio.wait_for(task, 20)
         await nc.close()
+
+
+async def run_echo_call(svc: WorkerService, nc: Any, n: int = 20) -> tuple[list[int], asyncio.Event, asyncio.Event]:
+    """Assign a call to the worker and publish its n items and end: (frames echoed, all
+    echoed, both partitions done)."""
+    cid = subjects.new_cid()
+    frames: list[int] = []
+    echoed, done = asyncio.Event(), asyncio.Event()
+    dones: list[str] = []
+
+    async def on_out(m: Any) -> None:
+        frames.append(json.loads(wire.decode_as(m.data, wire.OutputMsg).json)["frame"])
+        if len(frames) == n:
+            echoed.set()
+
+    async def on_done(m: Any) -> None:
+        dones.append(m.subject)
+        if len(dones) == 2:
+            done.set()
+
+    await nc.subscribe(subjects.out(cid), cb=on_out)
+    await nc.subscribe(subjects.done(cid, "*"), cb=on_done)
+    reply = await nc.request(
+        subjects.assign(svc.worker_id),
+        wire.encode(wire.Assign(cid=cid, model="echo", partitions=["Encoder", "Talker"])),
+        timeout=5,
+    )
+    assert wire.decode_as(reply.data, wire.AssignReply).ok
+    for seq in range(n):
+        item = wire.WireItem.from_item(Item(np.full(1280, seq, dtype="<i2")))
+        await nc.publish(subjects.input_(cid, "audio_in"), wire.encode(wire.InputItem(seq=seq, item=item)))
+    await nc.jetstream().publish(subjects.eoi(cid, "audio_in"), wire.encode(wire.EndOfInput(total=n)))
+    return frames, echoed, done
+
+
+async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
+    dropped: list[int] = []
+
+    def drop(subject: str, data: bytes) -> bool:  # item 5 of the client stream, once
+        if subject.endswith(".in.audio_in") and not dropped and wire.decode_as(data, wire.InputItem).seq == 5:
+            dropped.append(5)
+            return True
+        return False
+
+    async with lossy_worker(nats_url, drop) as (svc, nc):
+        frames, echoed, _ = await run_echo_call(svc, nc)
+        await asyncio.wait_for(echoed.wait(), timeout=10)
+        assert dropped == [5]
+        assert frames == list(range(20))
+        assert svc.repairs >= 1
+
+
+async def test_worker_reads_a_lost_end_and_last_item_from_the_stream(nats_url: str) -> None:
+    """Losing the last item and the end of the stream leaves no gap in what came: the worker
+    notices that its input stalled and reads the stream."""
+    lost: list[str] = []
+
+    def drop(subject: str, data: bytes) -> bool:
+        msg = wire.decode(data)
+        if isinstance(msg, wire.EndOfInput) or (isinstance(msg, wire.InputItem) and msg.seq == 19):
+            lost.append(type(msg).__name__)
+            return True
+        return False
+
+    async with lossy_worker(nats_url, drop) as (svc, nc):
+        frames, _, done = await run_echo_call(svc, nc)
+        await asyncio.wait_for(done.wait(), timeout=15)  # both partitions finished
+        assert sorted(lost) == ["EndOfInput", "InputItem"]
+        assert frames == list(range(20))
+        for _ in range(40):  # the worker forgets it once its own publish of the done returns
+            if not svc.calls:
+                break
+            await asyncio.sleep(0.05)
+        assert not svc.calls
 
 
 async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> None:

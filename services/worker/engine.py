@@ -183,6 +183,10 @@ class Engine:
         self._dirty[cid] = None
         return []
 
+    def awaiting_input(self) -> list[str]:
+        """Calls with an input stream not yet complete."""
+        return [cid for cid, call in self._calls.items() if not call.inputs_ended]
+
     def missing(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Calls waiting on an item known to exist (lost in transit): cid -> (edge, first missing seq)s."""
         out: dict[str, tuple[tuple[str, int], ...]] = {}

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often a partition that wants steps without input (paced audio) is stepped
 REPAIR_PERIOD_S = 0.5  # how long an item may be missing before it is read from the stream
+STALL_S = 2.0  # no input at all this long, streams not complete: read the stream (a lost end leaves no gap)
+STALL_MAX_S = 16.0  # the wait doubles while such reads bring nothing, up to this
 
 
 @dataclass
@@ -45,6 +47,8 @@ class _Assigned:
     subs: list[Subscription] = field(default_factory=list)
     catchup: asyncio.Task[None] | None = None
     catchup_edges: frozenset[str] = frozenset()  # what the running catch-up read covers
+    last_input: float = field(default_factory=time.monotonic)  # live input, or a stall read, last
+    stall_s: float = STALL_S
 
 
 class _Runner:
@@ -225,6 +229,20 @@ class WorkerService:
                 self.repairs += 1
                 self._start_catch_up(call)
             seen = now
+            self._read_stalled()
+
+    def _read_stalled(self) -> None:
+        """A lost item with nothing after it, or a lost end of stream, leaves no gap to see:
+        where a call's input is incomplete and nothing has come for a while, read the stream
+        (waiting twice as long each time such a read brings nothing new, for idle clients)."""
+        t = time.monotonic()
+        for cid in {c for r in self.runners.values() for c in r.engine.awaiting_input()}:
+            call = self.calls.get(cid)
+            if call is None or t - call.last_input < call.stall_s or (call.catchup and not call.catchup.done()):
+                continue
+            log.info("call %s: no input for %.1fs, reading its input from the stream", cid, t - call.last_input)
+            call.last_input, call.stall_s = t, min(2 * call.stall_s, STALL_MAX_S)
+            self._start_catch_up(call)
 
     async def _on_reconnect(self) -> None:
         """While disconnected the core subscriptions missed whatever was published: read every
@@ -326,6 +344,8 @@ class WorkerService:
         if s.edge is None or s.edge not in self.consumer_of:
             return [], ""
         r = self.runners[self.consumer_of[s.edge]]
+        if live and (call := self.calls.get(s.cid)) is not None:
+            call.last_input, call.stall_s = time.monotonic(), STALL_S
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
             if live and isinstance(msg, wire.InputItem) and msg.sent_ns:
                 self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
