@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -90,6 +91,7 @@ class WorkerService:
         self._accepting = True
         self.tasks = TaskSet()
         self.repairs = 0  # catch-up reads started for items lost in transit
+        self.ends = bus.StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
     @property
@@ -120,6 +122,7 @@ class WorkerService:
             steppers = [tg.create_task(self._step_loop(name, r)) for name, r in self.runners.items()]
             hb = tg.create_task(heartbeat(kv, self.worker_id, self._heartbeat, self.config.heartbeat_s))
             repair = tg.create_task(self._repair_gaps())
+            ends = tg.create_task(self.ends.run())
             await stop.wait()
             # Graceful: stop intake (a heartbeat with no capacity left), let running calls
             # finish, and only then leave: a deleted key is a lost worker to the conductor,
@@ -130,6 +133,7 @@ class WorkerService:
             hb.cancel()
             await delete_quietly(kv, self.worker_id)
             repair.cancel()
+            ends.cancel()
             for t in steppers:
                 t.cancel()
         await self.tasks.close()
@@ -150,10 +154,10 @@ class WorkerService:
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self.calls and time.monotonic() < deadline:
+        while (self.calls or len(self.ends)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.calls:
-            log.warning("stopping with %d calls unfinished", len(self.calls))
+        if self.calls or len(self.ends):
+            log.warning("stopping with %d calls unfinished, %d messages not stored", len(self.calls), len(self.ends))
 
     # -- assignment ----------------------------------------------------------
     async def _on_assign(self, msg: Msg) -> None:
@@ -306,6 +310,7 @@ class WorkerService:
             "model": self.model_name,
             "load": self.load,
             "repairs": self.repairs,
+            "store_retries": self.ends.retries,
             "partitions": parts,
             "data_path_ms": {"n": lat.count, "p50": lat.percentile(50), "p99": lat.percentile(99)},
         }
@@ -428,20 +433,24 @@ class WorkerService:
                     r.wake.set()
                     await self._carry_out(r.engine.push(a.cid, a.edge, a.seq, a.item), r.engine.name)
             elif isinstance(a, eng.PublishEdgeEnd):
-                await self.payloads.publish_once(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
+                # Stored behind (self.ends): the step loop does not wait for the ack.
+                self.ends.put(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
                     r.wake.set()
                     await self._carry_out(r.engine.end(a.cid, a.edge, a.total), r.engine.name)
             elif isinstance(a, eng.PublishDone):
                 done = wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
-                await self.payloads.publish_once(subjects.done(a.cid, partition), wire.encode(done))
-                await self._partition_finished(a.cid, partition)
+                # The call is let go only once its done is stored: a worker that stopped before
+                # that would leave the conductor waiting on a done that never comes.
+                then = functools.partial(self._partition_finished, a.cid, partition)
+                self.ends.put(subjects.done(a.cid, partition), wire.encode(done), then)
             elif isinstance(a, eng.FailCall):
                 log.info("call %s failed in %s: %s", a.cid, partition, a.error.message)
-                await self.js.publish(
-                    subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status))
-                )
+                self.ends.put(subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status)))
                 await self._forget(a.cid)
+
+    async def _store_once(self, subject: str, body: bytes) -> None:
+        await self.payloads.publish_once(subject, body)
 
     def _local_consumer(self, cid: str, edge: str) -> _Runner | None:
         """The runner of the edge's consumer partition where it runs the call in this process:
