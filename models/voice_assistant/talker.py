@@ -14,12 +14,14 @@ step never waits for synthesis; with `synth_threads=0` a step synthesizes at mos
 `inline_per_step` pieces itself (deterministic against a fake clock: the tests).
 
 Pacing: the reply's audio is sent in chunks of `chunk_s` (80 ms) at the voice's rate,
-never more than `lead_s` (200 ms) ahead of real time since its first chunk (a chunk
-goes out once it fits in that lead). The
-engine steps the call while `wants_step` is true (about every 20 ms). After a
-synthesis underrun the timeline restarts from the audio already sent. The reply ends
-(`reply_end`) when its audio has played out in real time, so a call whose input has
-ended lasts until its last reply has been spoken.
+never more than `lead_s` (200 ms, at least `chunk_s`) ahead of real time since its
+first chunk (a chunk goes out once it fits in that lead); that is also the most the
+client holds when a barge-in cuts the reply. The served model takes `lead_s` from
+`$DUPLEXBUS_TALKER_LEAD_S` when it is set (see the package). The engine steps the
+call while `wants_step` is true (about every 20 ms). After a synthesis underrun the
+timeline restarts from the audio already sent. The reply ends (`reply_end`) when its
+audio has played out in real time, so a call whose input has ended lasts until its
+last reply has been spoken.
 
 Barge-in: a `speech_start` of a later turn (or a final transcript of a later turn)
 while a reply is active drops the rest of that reply at once, in the step that sees
@@ -52,6 +54,9 @@ from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.model import CallInfo, Emission, Output, Partition, StepInput
 
 log = logging.getLogger(__name__)
+
+LEAD_S = 0.2  # default lead over real time (s)
+CHUNK_S = 0.08  # default audio chunk (s)
 
 
 def load_voice() -> Any:
@@ -95,8 +100,8 @@ class Talker(Partition):
     def __init__(
         self,
         clock: Callable[[], float] | None = None,
-        lead_s: float = 0.2,
-        chunk_s: float = 0.08,
+        lead_s: float = LEAD_S,
+        chunk_s: float = CHUNK_S,
         max_words: int = 10,
         synth_ahead_s: float = 1.5,
         synth_threads: int = 1,
@@ -107,6 +112,8 @@ class Talker(Partition):
     ) -> None:
         from piper import SynthesisConfig
 
+        if not lead_s >= chunk_s > 0:  # a lead shorter than a chunk would never let one out
+            raise ValueError(f"lead_s must be at least chunk_s > 0, got lead_s={lead_s}, chunk_s={chunk_s}")
         self.clock = clock or time.monotonic
         self.voice = load_voice()
         self.sample_rate = int(self.voice.config.sample_rate)
