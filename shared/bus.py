@@ -344,12 +344,17 @@ async def subscribe_direct(nc: Client, subject: str, handler: Callable[[Msg], No
     return sub
 
 
-async def release_request_id(kv: KeyValue, request_id: str, cid: str) -> None:
-    """Free a live call's request_id, only if it is still this call's (a new call may hold it)."""
+async def release_request_id(kv: KeyValue, request_id: str, cid: str, revision: int = 0) -> None:
+    """Free a live call's request_id, only if it is still this call's (a new call may hold it).
+    With the revision that reserved it, that is one round trip: the delete is refused where
+    the key has changed since."""
     with contextlib.suppress(Exception):
-        entry = await kv.get(request_id)
-        if entry.value == cid.encode():
-            await kv.delete(request_id, last=entry.revision)
+        if not revision:
+            entry = await kv.get(request_id)
+            if entry.value != cid.encode():
+                return
+            revision = entry.revision or 0
+        await kv.delete(request_id, last=revision)
 
 
 async def unsubscribe_all(subs: list[Subscription]) -> None:

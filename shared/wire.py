@@ -59,6 +59,7 @@ class Open(Msg, tag="open"):
     open_streams: list[str] = []  # client streams left open
     published: dict[str, int] = {}  # items already published per edge
     live: bool = True  # a live call leaves a stream open; a one-shot may queue
+    request_id_revision: int = 0  # the request_ids KV revision that reserved it: freed in one round trip
 
 
 class InputItem(Msg, tag="in"):
@@ -161,6 +162,7 @@ class CallRecord(Msg, tag="call"):
     state: str
     live: bool
     created: float
+    request_id_revision: int = 0
     model_kwargs: dict[str, Any] = {}
     kwargs_in_open: bool = False
     partitions: list[str] = []

@@ -201,3 +201,43 @@ def test_a_queued_one_shot_does_not_wait_forever() -> None:
     acts = c.handle(core.Tick(41.0))
     assert {a.cid: a.msg.status for a in acts if isinstance(a, core.PublishFin)}["q"] == 408
     assert "q" not in c.queue
+
+
+def saves(actions: list[core.Action]) -> list[wire.CallRecord]:
+    return [a.record for a in actions if isinstance(a, core.SaveRecord)]
+
+
+def test_a_call_record_is_written_once_per_change_a_restore_needs() -> None:
+    """Placed, then acknowledged: the acknowledgement writes nothing (a restored PLACING call
+    is taken as placed); a waiting call is not written again on every new worker."""
+    c = conductor()
+    waiting = c.handle(opened("w"))  # no worker yet: it waits
+    assert [r.state for r in saves(waiting)] == ["waiting"]
+    other = wire.WorkerHeartbeat(worker_id="x", model="other", partitions=["P"], model_partitions=["P"], capacity=5, load=0, ts=0)
+    assert saves(c.handle(core.WorkerSeen(other))) == []  # a worker of another model: nothing changed
+    c.handle(hb("w1", ["Encoder"]))  # serves one partition of two: still waiting
+    placed = c.handle(hb("w2", ["Talker"]))
+    assert [r.state for r in saves(placed)] == ["placing"]
+    results = [
+        core.AssignResult("w", a.worker_id, tuple(a.msg.partitions), True) for a in placed if isinstance(a, core.SendAssign)
+    ]
+    assert [saves(c.handle(r)) for r in results] == [[], []]
+    assert c.calls["w"].state is core.CallState.RUNNING
+    restored = core.Conductor(c.config)
+    restored.restore(saves(placed))
+    assert restored.calls["w"].state is core.CallState.RUNNING and restored.calls["w"].acked == {"Encoder", "Talker"}
+
+
+def test_the_fin_carries_the_revision_that_reserved_the_request_id() -> None:
+    """So the conductor frees the request_id of a lost frontend's call in one round trip."""
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    ev = opened("a")
+    ev = core.Opened(wire.Open(**{**{f: getattr(ev.msg, f) for f in ev.msg.__struct_fields__}, "request_id_revision": 42}), 0.0)
+    actions = c.handle(ev)
+    assert saves(actions)[0].request_id_revision == 42
+    fin = [a for a in c.handle(core.FrontendLost("fe1")) if isinstance(a, core.PublishFin)]
+    assert [(f.request_id, f.request_id_revision) for f in fin] == [("ra", 42)]
+    restored = core.Conductor(c.config)
+    restored.restore(saves(actions))
+    assert restored.calls["a"].request_id_revision == 42

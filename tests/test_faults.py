@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from duplexbus.models.echo import FRAME
-from tests.helpers import WS, Stack, echo_bytes, pcm_file
+from tests.helpers import WS, Stack, call_records, echo_bytes, pcm_file
 
 
 @pytest.fixture
@@ -100,3 +102,45 @@ async def test_partitions_moving_one_at_a_time_onto_one_worker(stack: Stack) -> 
         await asyncio.sleep(0.1)
     await stream_frames(ws, "mover", samples, 40, 60)
     await end_and_check_every_frame(ws, stack, "mover", samples)
+
+
+async def test_frontend_killed_mid_call_frees_its_call_and_request_id(nats_url: str) -> None:
+    """The client of a dead frontend reconnects to another one with the same request_id:
+    refused (409) while the lost call still holds it; once the conductor has seen the frontend
+    stop heartbeating (liveness_s), the call is aborted, its worker slot and its request_id
+    are freed, and the same request_id opens a call that runs to its end."""
+    s = Stack(nats_url, {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0})
+    try:
+        await s.start(workers=[None], frontends=2)
+        await s.wait_workers(1)
+        samples = (np.arange(20 * FRAME) % 20000).astype("<i2")
+        lost = await call_under_way(s, "kept", samples, sent=5, echoed=2)
+        s.procs["frontend-0"].kill()
+        ws = await WS.connect(s.ws_url(1))
+        await ws.send({"request_id": "kept"})
+        first = await ws.until(lambda m: m.get("request_id") == "kept")
+        assert first.get("status") == 409, first
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            await asyncio.sleep(0.5)
+            await ws.send({"request_id": "kept"})
+            reply = await nothing_or_reply(ws, "kept")
+            if reply is None:  # no refusal: the call is open
+                break
+            assert reply.get("status") == 409, reply
+            assert asyncio.get_running_loop().time() < deadline, s.logs()
+        assert len(await call_records(nats_url)) == 1  # the lost call's record is gone: only the new one
+        await stream_frames(ws, "kept", samples, 0, 20)
+        await end_and_check_every_frame(ws, s, "kept", samples)
+        with contextlib.suppress(Exception):
+            await lost.close()
+    finally:
+        s.stop()
+
+
+async def nothing_or_reply(ws: WS, rid: str, seconds: float = 1.0) -> dict[str, Any] | None:
+    """The reply refusing an opening, or None where none came (the call opened)."""
+    try:
+        return await ws.until(lambda m: m.get("request_id") == rid and "status" in m, timeout=seconds)
+    except TimeoutError:
+        return None

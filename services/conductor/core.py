@@ -112,6 +112,7 @@ class PublishFin:
     cid: str
     msg: wire.Fin
     request_id: str
+    request_id_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ class Call:
     done: dict[str, int] = field(default_factory=dict)  # partition -> outputs
     usage: dict[str, Any] = field(default_factory=dict)
     waiting_since: float = 0.0
+    request_id_revision: int = 0
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
 
     def move(self, to: CallState) -> None:
@@ -179,6 +181,7 @@ class Call:
             state=self.state.value,
             live=self.live,
             created=self.created,
+            request_id_revision=self.request_id_revision,
             model_kwargs={} if self.kwargs_in_open else self.model_kwargs,
             kwargs_in_open=self.kwargs_in_open,
             partitions=list(self.partitions),
@@ -245,6 +248,7 @@ class Conductor:
             frontend_id=m.frontend_id,
             live=m.live,
             created=ev.now,
+            request_id_revision=m.request_id_revision,
             model_kwargs=dict(m.model_kwargs),
             kwargs_in_open=len(msgspec.msgpack.encode(m.model_kwargs)) > KWARGS_INLINE_MAX,
             partitions=list(self.partitions_of.get(m.model, [])),  # known once a worker of the model is seen
@@ -252,9 +256,9 @@ class Conductor:
         )
         if self.active >= self.config.max_concurrent_requests:
             if call.live:
-                return [self._fin_msg(m.cid, m.request_id, 503, "overloaded", "max_concurrent_requests reached")]
+                return [self._fin_msg(call, 503, "overloaded", "max_concurrent_requests reached")]
             if len(self.queue) >= self.config.max_queued_requests:
-                return [self._fin_msg(m.cid, m.request_id, 503, "overloaded", "max_queued_requests reached")]
+                return [self._fin_msg(call, 503, "overloaded", "max_queued_requests reached")]
             self.calls[call.cid] = call
             self.queue.append(call.cid)
             return [SaveRecord(call.record())]
@@ -314,9 +318,12 @@ class Conductor:
         return actions
 
     def _wait(self, call: Call, now: float | None) -> list[Action]:
-        if call.state is not CallState.WAITING:
-            call.move(CallState.WAITING)
-            call.waiting_since = now if now is not None else self.clock
+        """Saved only when it starts waiting: a waiting call is tried again on every new worker
+        (of any model), and a try that changes nothing writes nothing."""
+        if call.state is CallState.WAITING:
+            return []
+        call.move(CallState.WAITING)
+        call.waiting_since = now if now is not None else self.clock
         return [SaveRecord(call.record())]
 
     def _assign_result(self, ev: AssignResult) -> list[Action]:
@@ -327,8 +334,9 @@ class Conductor:
             return self._abort(call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True)
         call.acked.update(p for p in ev.partitions if call.placement.get(p) == ev.worker_id)
         if call.state is CallState.PLACING and call.acked >= set(call.partitions):
+            # Not saved: the record already holds the placement, and a restored PLACING call is
+            # taken as placed (restore), which is what this state says.
             call.move(CallState.INPUT_ENDED if not call.open_streams else CallState.RUNNING)
-            return [SaveRecord(call.record())]
         return []
 
     # -- progress ------------------------------------------------------------
@@ -377,7 +385,7 @@ class Conductor:
             if any(call.placement[p] == w for p in call.acked) and worker.load > 0:
                 worker.load -= 1
         fin = wire.Fin(status=status, reason=reason, usage=call.usage, error=error, outputs=call.done)
-        actions: list[Action] = [PublishFin(call.cid, fin, call.request_id), DeleteRecord(call.cid)]
+        actions: list[Action] = [PublishFin(call.cid, fin, call.request_id, call.request_id_revision), DeleteRecord(call.cid)]
         if not was_queued:
             actions.extend(self._admit_queued())
         return actions
@@ -389,8 +397,9 @@ class Conductor:
             actions.extend(self._place(call))
         return actions
 
-    def _fin_msg(self, cid: str, request_id: str, status: int, reason: str, error: str) -> PublishFin:
-        return PublishFin(cid, wire.Fin(status=status, reason=reason, error=error), request_id)
+    def _fin_msg(self, call: Call, status: int, reason: str, error: str) -> PublishFin:
+        fin = wire.Fin(status=status, reason=reason, error=error)
+        return PublishFin(call.cid, fin, call.request_id, call.request_id_revision)
 
     # -- liveness ------------------------------------------------------------
     def _worker_seen(self, hb: wire.WorkerHeartbeat) -> list[Action]:
@@ -444,6 +453,7 @@ class Conductor:
                 frontend_id=r.frontend_id,
                 live=r.live,
                 created=r.created,
+                request_id_revision=r.request_id_revision,
                 model_kwargs=dict(r.model_kwargs),
                 kwargs_in_open=r.kwargs_in_open,
                 partitions=list(r.partitions),

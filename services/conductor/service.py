@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from nats.aio.client import Client
@@ -28,6 +29,8 @@ from duplexbus.shared.errors import DuplexError
 from duplexbus.shared.service import TaskSet
 
 log = logging.getLogger(__name__)
+
+MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered path waits
 
 
 def consumer_config() -> ConsumerConfig:
@@ -52,6 +55,7 @@ class ConductorService:
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.kv: dict[str, KeyValue] = {}
+        self._unsettled = asyncio.Semaphore(MAX_UNSETTLED)
         self._seen: dict[str, dict[str, float]] = {subjects.KV_WORKERS: {}, subjects.KV_FRONTENDS: {}}
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -122,32 +126,56 @@ class ConductorService:
                 await self.events.put((ev, m))
 
     async def _process(self) -> None:
-        """The one task that calls the core: events are handled strictly in order."""
+        """The one task that calls the core: events are handled strictly in order.
+
+        Their writes are started in that order but not awaited here: the next event does not
+        wait on this one's round trips (a record, a fin, a request_id). NATS keeps one
+        connection's messages in order, so a call's records are stored in the order written.
+        The event's own message is acknowledged only once its writes are stored, so a
+        conductor that dies in between gets it again. At most MAX_UNSETTLED events wait so.
+        """
         while True:
             ev, msg = await self.events.get()
             try:
-                await self._execute(self.core.handle(ev))
+                writes = self._execute(self.core.handle(ev))
             except Exception:
                 log.exception("handling %r failed", ev)
+                writes = []
+            if writes or msg is not None:
+                await self._unsettled.acquire()
+                self.tasks.spawn(self._settle(ev, writes, msg))
+
+    async def _settle(self, ev: core.Event, writes: list[asyncio.Task[Any]], msg: Msg | None) -> None:
+        try:
+            for result in await asyncio.gather(*writes, return_exceptions=True):
+                if isinstance(result, Exception):
+                    log.error("a write for %r failed: %r", ev, result)
             if msg is not None:
                 with contextlib.suppress(Exception):
                     await msg.ack()
+        finally:
+            self._unsettled.release()
 
-    async def _execute(self, actions: list[core.Action]) -> None:
+    def _execute(self, actions: list[core.Action]) -> list[asyncio.Task[Any]]:
+        """Start each action's writes, in order (a task's first step writes its message, and
+        tasks start in the order created); return those the event's ack waits for."""
         assert self.js is not None and self.nc is not None
+        writes: list[asyncio.Task[Any]] = []
         for a in actions:
             if isinstance(a, core.SendAssign):
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
-                await self.payloads.publish_once(subjects.fin(a.cid), wire.encode(a.msg))
-                await bus.release_request_id(self.kv[subjects.KV_REQUEST_IDS], a.request_id, a.cid)
+                writes.append(self.tasks.spawn(self.payloads.publish_once(subjects.fin(a.cid), wire.encode(a.msg))))
+                # The frontend frees it too, when it is alive to see the fin.
+                rids = self.kv[subjects.KV_REQUEST_IDS]
+                self.tasks.spawn(bus.release_request_id(rids, a.request_id, a.cid, a.request_id_revision))
             elif isinstance(a, core.PublishAbort):
-                await self.js.publish(subjects.abort(a.cid), wire.encode(a.msg))
+                writes.append(self.tasks.spawn(self.js.publish(subjects.abort(a.cid), wire.encode(a.msg))))
             elif isinstance(a, core.SaveRecord):
-                await self.kv[subjects.KV_CALLS].put(a.record.cid, wire.encode(a.record))
+                writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].put(a.record.cid, wire.encode(a.record))))
             elif isinstance(a, core.DeleteRecord):
-                with contextlib.suppress(Exception):
-                    await self.kv[subjects.KV_CALLS].delete(a.cid)
+                writes.append(self.tasks.spawn(_quietly(self.kv[subjects.KV_CALLS].delete(a.cid))))
+        return writes
 
     async def _assign(self, a: core.SendAssign) -> None:
         assert self.nc is not None
@@ -213,6 +241,11 @@ class ConductorService:
                         log.warning("%s %s stopped heartbeating", bucket, key)
                         await self.events.put((_lost(bucket, key), None))
             await self.events.put((core.Tick(time.time()), None))
+
+
+async def _quietly(aw: Awaitable[Any]) -> None:
+    with contextlib.suppress(Exception):
+        await aw
 
 
 def _wall_time(created: Any) -> float:

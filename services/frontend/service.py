@@ -62,6 +62,7 @@ class Call:
     sink: Sink
     owner: object  # the socket (or request) that opened it
     live: bool
+    request_id_revision: int = 0  # the KV revision that reserved request_id (0: none)
     subs: list[Subscription] = field(default_factory=list)
     next_out: dict[str, int] = field(default_factory=dict)  # partition -> next seq to relay
     held: dict[tuple[str, int], bytes] = field(default_factory=dict)  # arrived ahead of a gap
@@ -187,12 +188,13 @@ class FrontendService:
         if live and o.request_id is None:
             raise ProtocolError("a live call (one that leaves a client stream open) needs a request_id")
         cid = subjects.new_cid()
+        revision = 0
         if o.request_id is not None:
             try:
-                await self.rids.create(o.request_id, cid.encode())
+                revision = await self.rids.create(o.request_id, cid.encode())
             except KeyWrongLastSequenceError:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
-        call = Call(cid, o.request_id, inp, sink, owner, live, on_end=on_end)
+        call = Call(cid, o.request_id, inp, sink, owner, live, revision, on_end=on_end)
         self.calls[cid] = call
         try:
             call.subs.append(await bus.subscribe_direct(self.nc, subjects.out(cid), self._on_out))
@@ -210,6 +212,7 @@ class FrontendService:
                         open_streams=sorted(inp.open_streams),
                         published=dict(inp.published),
                         live=live,
+                        request_id_revision=revision,
                     )
                 ),
             )
@@ -277,7 +280,7 @@ class FrontendService:
         for t in call.timers:
             t.cancel()
         if call.request_id is not None and self.rids is not None:
-            await bus.release_request_id(self.rids, call.request_id, call.cid)
+            await bus.release_request_id(self.rids, call.request_id, call.cid, call.request_id_revision)
         call.ended.set()
         if call.on_end is not None:
             call.on_end(call)
