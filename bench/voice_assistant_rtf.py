@@ -34,9 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_assistant_rtf.py` finds `bench`
 
+from bench.clips import piper_clips
 from bench.stack import machine
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE, VoiceAssistantModel
-from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
+from duplexbus.models.voice_assistant.audio import silence
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, word_error_rate
 from duplexbus.shared.chunking import Item
 from duplexbus.shared.model import CallInfo, Emission, Partition, StepInput
@@ -84,20 +85,10 @@ class Timed(Partition):
 
 
 def dialogue(turns: int, gap: float, seed: int) -> tuple[np.ndarray, list[str]]:
-    import onnxruntime
-
-    from duplexbus.models.voice_assistant.talker import load_voice
-
-    onnxruntime.set_seed(seed)
-    voice = load_voice()
+    said = [SENTENCES[i % len(SENTENCES)] for i in range(turns)]
     parts: list[np.ndarray] = [silence(0.5, SAMPLE_RATE)]
-    said = []
-    for i in range(turns):
-        s = SENTENCES[i % len(SENTENCES)]
-        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(s)])
-        parts.append(to_pcm16(resample(audio, voice.config.sample_rate, SAMPLE_RATE), gain=0.7))
-        parts.append(silence(gap if i < turns - 1 else 1.0, SAMPLE_RATE))
-        said.append(s)
+    for i, clip in enumerate(piper_clips(said, SAMPLE_RATE, seed)):
+        parts += [clip, silence(gap if i < turns - 1 else 1.0, SAMPLE_RATE)]
     return np.concatenate(parts), said
 
 

