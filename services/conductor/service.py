@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import time
 from collections.abc import Awaitable
@@ -23,6 +22,7 @@ from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
 from duplexbus.services.conductor import core
+from duplexbus.services.conductor.liveness import Liveness
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import DuplexError
@@ -56,7 +56,7 @@ class ConductorService:
         self.js: JetStreamContext | None = None
         self.kv: dict[str, KeyValue] = {}
         self._unsettled = asyncio.Semaphore(MAX_UNSETTLED)
-        self._seen: dict[str, dict[str, float]] = {subjects.KV_WORKERS: {}, subjects.KV_FRONTENDS: {}}
+        self._live = {b: Liveness(config.liveness_s) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await bus.connect(self.config, "duplexbus-conductor")
@@ -193,12 +193,11 @@ class ConductorService:
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
 
     async def _watch(self, bucket: str) -> None:
-        """Liveness from heartbeats: a put is a sign of life (as of when the server stored it),
-        a delete is a clean exit. Heartbeats come every heartbeat_s, so a watch that stays
-        silent longer may have died with a server restart: it is replaced, and replayed
-        entries carry their stored time, so an old heartbeat does not revive a dead process."""
+        """Liveness from heartbeats: a put with a new revision is a sign of life, a delete a
+        clean exit (liveness.py). Heartbeats come every heartbeat_s, so a watch that stays
+        silent longer may have died with a server restart: it is replaced, and the entries it
+        replays are not new revisions, so an old heartbeat does not revive a dead process."""
         kv = self.kv[bucket]
-        seen = self._seen[bucket]
         silence = max(3 * self.config.heartbeat_s, self.config.liveness_s / 2)
         while True:
             watcher = await kv.watchall()
@@ -209,23 +208,20 @@ class ConductorService:
                     except NatsTimeout:
                         break
                     if entry is not None:
-                        await self._heartbeat_entry(bucket, seen, entry)
+                        await self._heartbeat_entry(bucket, entry)
             finally:
                 with contextlib.suppress(Exception):
                     await watcher.stop()
 
-    async def _heartbeat_entry(self, bucket: str, seen: dict[str, float], entry: Any) -> None:
+    async def _heartbeat_entry(self, bucket: str, entry: Any) -> None:
+        live = self._live[bucket]
         if entry.operation in ("DEL", "PURGE"):
-            if seen.pop(entry.key, None) is not None:
+            if live.left(entry.key):
                 log.warning("%s %s left (%s)", bucket, entry.key, entry.operation)
                 await self.events.put((_lost(bucket, entry.key), None))
             return
-        if not entry.value:
-            return
-        stored = _wall_time(entry.created)
-        if stored < seen.get(entry.key, 0.0):
-            return  # a replayed, older heartbeat
-        seen[entry.key] = stored
+        if not entry.value or not live.saw(entry.key, entry.revision or 0, time.monotonic()):
+            return  # a replayed heartbeat
         if bucket == subjects.KV_WORKERS:
             with contextlib.suppress(DuplexError):
                 await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
@@ -233,28 +229,16 @@ class ConductorService:
     async def _ticks(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            now = time.time()
-            for bucket, seen in self._seen.items():
-                for key, last in list(seen.items()):
-                    if now - last > self.config.liveness_s:
-                        del seen[key]
-                        log.warning("%s %s stopped heartbeating", bucket, key)
-                        await self.events.put((_lost(bucket, key), None))
+            for bucket, live in self._live.items():
+                for key in live.expired(time.monotonic()):
+                    log.warning("%s %s stopped heartbeating", bucket, key)
+                    await self.events.put((_lost(bucket, key), None))
             await self.events.put((core.Tick(time.time()), None))
 
 
 async def _quietly(aw: Awaitable[Any]) -> None:
     with contextlib.suppress(Exception):
         await aw
-
-
-def _wall_time(created: Any) -> float:
-    """When the server stored a KV entry (nats-py gives a datetime or nanoseconds), else now."""
-    if isinstance(created, datetime.datetime):
-        return created.timestamp()
-    if isinstance(created, int | float) and created > 0:
-        return created / 1e9 if created > 1e12 else float(created)
-    return time.time()
 
 
 def _lost(bucket: str, key: str) -> core.Event:

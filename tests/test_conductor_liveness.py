@@ -1,0 +1,89 @@
+"""Liveness from heartbeat revisions and the conductor's own clock (no bus)."""
+
+from __future__ import annotations
+
+from duplexbus.services.conductor.liveness import Liveness
+
+
+def test_a_process_is_alive_while_new_revisions_come_by_the_local_clock() -> None:
+    """Nothing here reads the server's stored time: a worker on a machine whose clock is
+    hours off, or a server whose clock is, is judged by when its heartbeats arrive."""
+    live = Liveness(liveness_s=3.0)
+    assert live.saw("w1", revision=10, now=100.0)
+    assert live.expired(now=102.9) == []
+    assert live.saw("w1", revision=17, now=102.9)
+    assert live.expired(now=105.0) == [] and "w1" in live
+    assert live.expired(now=106.0) == ["w1"] and "w1" not in live
+    assert live.expired(now=200.0) == []  # lost once
+
+
+def test_a_replayed_heartbeat_revives_nothing() -> None:
+    live = Liveness(liveness_s=3.0)
+    live.saw("w1", revision=5, now=0.0)
+    assert not live.saw("w1", revision=5, now=1.0)  # a restarted watcher replays the last entry
+    assert live.expired(now=3.5) == ["w1"]  # the replay did not count as a sign of life
+    assert not live.saw("w1", revision=5, now=4.0)  # nor does it bring a lost process back
+    assert "w1" not in live
+    assert live.saw("w1", revision=6, now=5.0)  # a new heartbeat does
+
+
+def test_a_clean_exit_is_reported_once_and_the_key_may_come_back() -> None:
+    live = Liveness(liveness_s=3.0)
+    live.saw("f1", revision=3, now=0.0)
+    assert live.left("f1") and not live.left("f1")
+    assert live.saw("f1", revision=9, now=1.0)
+
+
+def test_forgotten_keys_are_bounded() -> None:
+    live = Liveness(liveness_s=1.0)
+    for i in range(30):
+        live.saw(f"w{i}", revision=i + 1, now=0.0)
+    assert len(live.expired(now=5.0)) == 30
+    import duplexbus.services.conductor.liveness as mod
+
+    old, mod.FORGOTTEN_MAX = mod.FORGOTTEN_MAX, 10
+    try:
+        live.saw("x", revision=100, now=5.0)
+        live.expired(now=5.5)
+        assert len(live._revision) == 11  # ten lost keys remembered, and the live one
+        assert not live.saw("w29", revision=30, now=6.0)  # the latest lost are the ones kept
+    finally:
+        mod.FORGOTTEN_MAX = old
+
+
+async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers() -> None:
+    """A real server and worker; the conductor's wall clock runs an hour ahead of theirs
+    (another machine, unsynchronised). Before, liveness compared the server's stored time
+    with that clock, and every live worker looked an hour dead."""
+    import asyncio
+    import tempfile
+    import time
+    import types
+
+    from duplexbus.services.conductor import service as conductor_service
+    from duplexbus.services.worker.service import WorkerService
+    from duplexbus.shared.config import parse_config
+    from duplexbus.shared.embedded import NatsServer
+
+    server = NatsServer(tempfile.mkdtemp(prefix="duplexbus-skew-")).start()
+    config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
+    skewed = types.SimpleNamespace(time=lambda: time.time() + 3600, monotonic=time.monotonic)
+    real_time = conductor_service.time
+    conductor_service.time = skewed  # type: ignore[assignment]
+    stop = asyncio.Event()
+    conductor = conductor_service.ConductorService(config)
+    worker = WorkerService(config, "echo")
+    tasks = [asyncio.create_task(conductor.run(stop)), asyncio.create_task(worker.run(stop))]
+    try:
+        for _ in range(100):
+            if worker.worker_id in conductor.core.workers:
+                break
+            await asyncio.sleep(0.05)
+        assert worker.worker_id in conductor.core.workers
+        await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
+        assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        conductor_service.time = real_time
+        server.stop()
