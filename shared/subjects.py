@@ -28,6 +28,7 @@ OUT = "out"
 DONE = "done"
 FIN = "fin"
 ABORT = "abort"
+PLACED = "placed"
 
 _PREFIX = "call"
 
@@ -84,6 +85,11 @@ def consumed(cid: str, edge_name: str) -> str:
     """Everything a consumer of the edge reads: its items and its end (in+eoi for a client
     stream, edge+edge_end between partitions; `*` spans both kinds)."""
     return f"{_PREFIX}.{cid}.*.{edge_name}"
+
+
+def placed(cid: str, worker_id: str) -> str:
+    """A worker took partitions of the call (stored before its catch-up read: see wire.Placed)."""
+    return f"{_PREFIX}.{cid}.{PLACED}.{worker_id}"
 
 
 def call_all(cid: str) -> str:

@@ -172,6 +172,19 @@ class CallRecord(Msg, tag="call"):
     usage: dict[str, Any] = {}
 
 
+class Placed(Msg, tag="placed"):
+    """call.{cid}.placed.{worker_id}: a worker took these partitions of the call.
+
+    Stored with an ack after the worker has subscribed and before it reads the call from the
+    stream. The stream stores messages in the order it receives them, some time after, so a
+    message published just before the subscriptions (missed by them) may not be stored yet
+    when the read starts; once this one is stored, it is. It also shows where each
+    partition ran in a replay."""
+
+    worker_id: str
+    partitions: list[str]
+
+
 AnyMsg = (
     Open
     | InputItem
@@ -182,6 +195,7 @@ AnyMsg = (
     | Done
     | Fin
     | Abort
+    | Placed
     | Assign
     | AssignReply
     | WorkerHeartbeat

@@ -147,3 +147,7 @@ async def test_finish_names_the_call_and_replay_prints_it(stack: Stack) -> None:
     # the opening's items are published before the open, which counts them
     assert kinds.count("open") == 1 and kinds.count("in") == 3 and kinds.count("out") == 3
     assert kinds.count("edge") == 3 and kinds.count("done") == 2 and kinds[-1] == "fin"
+    # each worker stored where it took the call before reading it (wire.Placed), and before its done
+    placed = [json.loads(line) for line in proc.stdout.splitlines() if ".placed." in json.loads(line)["subject"]]
+    assert sorted(p for m in placed for p in m["partitions"]) == ["Encoder", "Talker"]
+    assert max(i for i, k in enumerate(kinds) if k == "placed") < kinds.index("done")

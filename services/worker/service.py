@@ -277,6 +277,7 @@ class WorkerService:
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
         filters = [subjects.consumed(cid, e) for e in edges] + [subjects.abort(cid), subjects.fin(cid)]
         try:
+            await self._barrier(cid)
             # aclosing: a read left early ends its consumer now, not when the generator is collected
             async with contextlib.aclosing(bus.read_stored(self.js, self.payloads, filters)) as stored:
                 async for subject, data in stored:
@@ -290,6 +291,17 @@ class WorkerService:
             raise
         except Exception:
             log.exception("catch-up read for %s failed", cid)
+
+    async def _barrier(self, cid: str) -> None:
+        """Store a Placed message (see wire.Placed): once it is stored, so is any input published
+        before this worker's subscriptions. Where it cannot be, the read goes on, and the gap
+        and stall reads cover what it misses."""
+        call = self.calls.get(cid)
+        placed = wire.Placed(worker_id=self.worker_id, partitions=list(call.partitions) if call else [])
+        try:
+            await self.payloads.publish(subjects.placed(cid, self.worker_id), wire.encode(placed), ack=True)
+        except Exception as e:
+            log.warning("call %s: the barrier before its catch-up read was not stored (%r)", cid, e)
 
     async def _on_stats(self, msg: Msg) -> None:
         """Live figures for operators and benchmarks; a request body of b"reset" clears them after."""
