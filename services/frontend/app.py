@@ -268,7 +268,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             more.set()
 
         try:
-            call = await svc.open_call(msg, sink, request)
+            call = await svc.open_call(msg, sink, request, on_end=lambda _: more.set())
         except DuplexError as e:
             return error_response(msg.request_id, e)
         opened.append(call)
@@ -280,12 +280,13 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             try:
                 while True:
                     while not buf:
+                        # Ended by the call's state, not by the look of a message: the call's
+                        # last reply (if any) is in buf before it counts as ended.
+                        if call.ended.is_set():
+                            return
                         more.clear()
                         await more.wait()
-                    m = buf.popleft()
-                    yield (to_json(m) + "\n").encode()
-                    if isinstance(m, dict) and ("finish" in m or ("error" in m and "append" not in m)):
-                        return
+                    yield (to_json(buf.popleft()) + "\n").encode()
             finally:
                 watcher.cancel()
                 _abort_soon(svc, call)
