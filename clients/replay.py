@@ -17,7 +17,7 @@ from duplexbus.shared.config import ServingConfig, load_config
 async def read_call(nc: Client, cid: str, config: ServingConfig) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
     """Every stored message of the call, oldest first (large payloads fetched from the Object Store)."""
     js = nc.jetstream()
-    async for subject, data in bus.read_stored(js, bus.Payloads(nc, js, config), [subjects.call_all(cid)]):
+    async for subject, data, _ in bus.read_stored(js, bus.Payloads(nc, js, config), [subjects.call_all(cid)]):
         yield subject, wire.decode(data)
 
 

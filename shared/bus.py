@@ -257,15 +257,20 @@ class StoreBehind:
             batch = failed
 
 
-async def read_stored(js: JetStreamContext, payloads: Payloads, filters: list[str]) -> AsyncGenerator[tuple[str, bytes], None]:
-    """Every message the stream holds on `filters`, oldest first: (subject, body).
+async def read_stored(
+    js: JetStreamContext, payloads: Payloads, filters: list[str], after: int = 0
+) -> AsyncGenerator[tuple[str, bytes, int], None]:
+    """Every message the stream holds on `filters`, oldest first: (subject, body, stream seq).
+    With `after`, only those stored after that stream sequence: a reader that has read to
+    some point reads again from there, not the whole call.
 
     One ephemeral consumer, read to the end and deleted: the catch-up read of workers,
     the frontend's recovery of lost outputs and `duplexbus replay` all use it.
     """
     cfg = ConsumerConfig(
         filter_subjects=filters,
-        deliver_policy=DeliverPolicy.ALL,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after else DeliverPolicy.ALL,
+        opt_start_seq=after + 1 if after else None,
         ack_policy=AckPolicy.NONE,
         inactive_threshold=30.0,
         mem_storage=True,
@@ -284,7 +289,7 @@ async def read_stored(js: JetStreamContext, payloads: Payloads, filters: list[st
                     return
                 for m in msgs:
                     pending = m.metadata.num_pending
-                    yield m.subject, await payloads.body(m)
+                    yield m.subject, await payloads.body(m), m.metadata.sequence.stream
         finally:
             await sub.unsubscribe()
     finally:

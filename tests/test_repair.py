@@ -106,6 +106,11 @@ async def run_echo_call(svc: WorkerService, nc: Any, n: int = 20) -> tuple[list[
         timeout=5,
     )
     assert wire.decode_as(reply.data, wire.AssignReply).ok
+    for _ in range(100):  # its placement read is over: what is lost from here on is the repair's
+        task = svc.calls[cid].catchup
+        if task is not None and task.done():
+            break
+        await asyncio.sleep(0.02)
     for seq in range(n):
         item = wire.WireItem.from_item(Item(np.full(1280, seq, dtype="<i2")))
         await nc.publish(subjects.input_(cid, "audio_in"), wire.encode(wire.InputItem(seq=seq, item=item)))

@@ -68,6 +68,7 @@ class Call:
     held: dict[tuple[str, int], bytes] = field(default_factory=dict)  # arrived ahead of a gap
     gap_since: float | None = None  # when the oldest held output started waiting
     recovering: bool = False
+    read_to: int = 0  # the stream sequence the last recovery read to: the next one starts after it
     fin: wire.Fin | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     on_end: Callable[[Call], None] | None = None  # the owner forgets it (a socket's request_ids)
@@ -320,6 +321,8 @@ class FrontendService:
             if len(call.held) < 10_000:
                 call.held[(o.partition, o.seq)] = o.json
                 call.gap_since = call.gap_since or time.monotonic()
+            else:
+                call.read_to = 0  # dropped: the next recovery reads the whole call again
             return
         call.relay_output(o.json)
         nxt += 1
@@ -340,7 +343,9 @@ class FrontendService:
 
     def _recover_outputs(self, call: Call) -> None:
         """Outputs lost in transit (a gap, or fewer than the fin counts): every output is in
-        the stream, so read the call's outputs again and relay the missing ones."""
+        the stream, so read the call's outputs again and relay the missing ones. Each read
+        starts where the last one ended: what was stored before that has been relayed (or
+        held), so a missing output is stored later."""
         if call.recovering or call.cid not in self.calls:
             return
         call.recovering = True
@@ -349,7 +354,8 @@ class FrontendService:
             assert self.js is not None
             try:
                 filters = [subjects.out(call.cid), subjects.fin(call.cid)]
-                async for subject, body in bus.read_stored(self.js, self.payloads, filters):
+                async for subject, body, seq in bus.read_stored(self.js, self.payloads, filters, after=call.read_to):
+                    call.read_to = seq
                     if subjects.parse(subject).kind == subjects.FIN:
                         await self._accept_fin(call, body)
                     else:

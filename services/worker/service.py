@@ -48,6 +48,7 @@ class _Assigned:
     subs: list[Subscription] = field(default_factory=list)
     catchup: asyncio.Task[None] | None = None
     catchup_edges: frozenset[str] = frozenset()  # what the running catch-up read covers
+    read_to: int = 0  # the stream sequence catch-up reads of those edges have read to
     last_input: float = field(default_factory=time.monotonic)  # live input, or a stall read, last
     stall_s: float = STALL_S
 
@@ -263,45 +264,53 @@ class WorkerService:
             if edges <= call.catchup_edges:
                 return
             call.catchup.cancel()  # read again, all of it: repeats are dropped by seq
+        placed = not edges <= call.catchup_edges  # new subscriptions: read from the start, behind a barrier
+        if placed:
+            call.read_to = 0
         call.catchup_edges = edges
-        call.catchup = self.tasks.spawn(self._catch_up(call.cid, sorted(edges)))
+        call.catchup = self.tasks.spawn(self._catch_up(call, sorted(edges), placed))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         assert self.js is not None
         stored = await self.js.get_last_msg(subjects.STREAM, subjects.open_(cid))
         return dict(wire.decode_as(await self.payloads.body(stored), wire.Open).model_kwargs)
 
-    async def _catch_up(self, cid: str, edges: list[str]) -> None:
-        """Read what the stream holds for the call's input subjects from the start."""
+    async def _catch_up(self, call: _Assigned, edges: list[str], placed: bool) -> None:
+        """Read what the stream holds for the call's input subjects: from the start when it
+        was just placed here, else after what earlier reads read (all of that was handed to
+        the engines, so an item still missing was stored after it)."""
         assert self.js is not None
+        cid = call.cid
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
         filters = [subjects.consumed(cid, e) for e in edges] + [subjects.abort(cid), subjects.fin(cid)]
         try:
-            await self._barrier(cid)
+            if placed:
+                await self._barrier(call)
             # aclosing: a read left early ends its consumer now, not when the generator is collected
-            async with contextlib.aclosing(bus.read_stored(self.js, self.payloads, filters)) as stored:
-                async for subject, data in stored:
+            read = bus.read_stored(self.js, self.payloads, filters, after=call.read_to)
+            async with contextlib.aclosing(read) as stored:
+                async for subject, data, seq in stored:
                     if cid not in self.calls:
                         return
                     if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
                         await self._forget(cid)
                         return
                     await self._handle_data(subject, data, live=False)
+                    call.read_to = seq
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("catch-up read for %s failed", cid)
 
-    async def _barrier(self, cid: str) -> None:
+    async def _barrier(self, call: _Assigned) -> None:
         """Store a Placed message (see wire.Placed): once it is stored, so is any input published
         before this worker's subscriptions. Where it cannot be, the read goes on, and the gap
         and stall reads cover what it misses."""
-        call = self.calls.get(cid)
-        placed = wire.Placed(worker_id=self.worker_id, partitions=list(call.partitions) if call else [])
+        placed = wire.Placed(worker_id=self.worker_id, partitions=list(call.partitions))
         try:
-            await self.payloads.publish(subjects.placed(cid, self.worker_id), wire.encode(placed), ack=True)
+            await self.payloads.publish(subjects.placed(call.cid, self.worker_id), wire.encode(placed), ack=True)
         except Exception as e:
-            log.warning("call %s: the barrier before its catch-up read was not stored (%r)", cid, e)
+            log.warning("call %s: the barrier before its catch-up read was not stored (%r)", call.cid, e)
 
     async def _on_stats(self, msg: Msg) -> None:
         """Live figures for operators and benchmarks; a request body of b"reset" clears them after."""
