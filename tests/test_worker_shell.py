@@ -29,12 +29,12 @@ async def test_a_partition_added_during_a_catch_up_read_gets_its_input_read_too(
 
     w = WorkerService(parse_config({}), "echo")
     reads: list[list[str]] = []
-    placed: list[bool] = []
+    starts: list[bool] = []
     gate = asyncio.Event()
 
-    async def catch_up(call: _Assigned, edges: list[str], from_start: bool) -> None:
+    async def catch_up(call: _Assigned, edges: list[str], placed: bool) -> None:
         reads.append(edges)
-        placed.append(from_start)
+        starts.append(placed)
         await gate.wait()
 
     w._catch_up = catch_up  # type: ignore[method-assign]
@@ -49,13 +49,13 @@ async def test_a_partition_added_during_a_catch_up_read_gets_its_input_read_too(
     await asyncio.sleep(0)
     assert first is not None and first.cancelled()
     assert reads == [["audio_in"], ["audio_in", "frames"]]
-    assert placed == [True, True]  # new subscriptions both times: from the start, behind a barrier
+    assert starts == [True, True]  # new subscriptions both times: from the start, behind a barrier
     gate.set()
     await asyncio.sleep(0)
     call.read_to = 120  # what the read read to
     w._start_catch_up(call)  # a repair: the same edges
     await asyncio.sleep(0)
-    assert placed == [True, True, False] and call.read_to == 120  # read on from where the last read ended
+    assert starts == [True, True, False] and call.read_to == 120  # read on from where the last read ended
     await w.tasks.close()
 
 
