@@ -253,7 +253,8 @@ async def main() -> None:
     ap.add_argument("--per-socket", type=int, default=25, help="calls sharing one client socket")
     ap.add_argument("--frontends", type=int, default=1)
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which the calls open (arrivals, not a burst)")
-    ap.add_argument("--colocate", action="store_true", help="one worker process runs both partitions (up --colocate)")
+    ap.add_argument("--workers", type=int, default=1, help="workers per partition (with --colocate: worker processes)")
+    ap.add_argument("--colocate", action="store_true", help="each worker process runs both partitions (up --colocate)")
     ap.add_argument("--step-window-ms", type=float, help="the workers' step_window_ms (the config default otherwise)")
     ap.add_argument(
         "--nice",
@@ -270,7 +271,7 @@ async def main() -> None:
     if args.step_window_ms is not None:
         cfg["step_window_ms"] = args.step_window_ms
     results = []
-    with UpStack("echo", frontends=args.frontends, config=cfg, colocate=args.colocate) as stack:
+    with UpStack("echo", frontends=args.frontends, workers=args.workers, config=cfg, colocate=args.colocate) as stack:
         os.nice(args.nice)  # the services were started before: they keep the normal priority
         print("| live calls | frames | lag p50 ms | lag p99 ms | data path p50 ms | data path p99 ms | errors | real time |")
         print("|---|---|---|---|---|---|---|---|")
