@@ -26,8 +26,9 @@ from nats.js.errors import KeyNotFoundError
 
 from bench.stack import bucket_keys, is_final
 from duplexbus.models.echo import FRAME
-from duplexbus.shared import subjects, wire
+from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.audio import b64_pcm16
+from duplexbus.shared.config import parse_config
 from duplexbus.shared.embedded import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -316,3 +317,16 @@ def padded(samples: np.ndarray) -> bytes:
 
 def echo_bytes(outputs: list[dict[str, Any]]) -> bytes:
     return b"".join(base64.b64decode(o["audio"]) for o in outputs)
+
+
+@contextlib.asynccontextmanager
+async def bus_client(nats_url: str, name: str) -> AsyncIterator[bus.Payloads]:
+    """A connection with the stream in place, as the services have it (`.nc`, `.js`)."""
+    cfg = parse_config({"nats_url": nats_url})
+    nc = await bus.connect(cfg, name)
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js, cfg)
+        yield bus.Payloads(nc, js, cfg)
+    finally:
+        await bus.close(nc)

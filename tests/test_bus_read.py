@@ -4,16 +4,12 @@ from a point (a repair or recovery reads on from where the last read ended)."""
 from __future__ import annotations
 
 from duplexbus.shared import bus, subjects
-from duplexbus.shared.config import parse_config
+from tests.helpers import bus_client
 
 
 async def test_read_stored_reads_everything_or_on_from_a_sequence(nats_url: str) -> None:
-    cfg = parse_config({"nats_url": nats_url})
-    nc = await bus.connect(cfg, "test-read-stored")
-    try:
-        js = nc.jetstream()
-        await bus.ensure_stream(js, cfg)
-        payloads = bus.Payloads(nc, js, cfg)
+    async with bus_client(nats_url, "test-read-stored") as payloads:
+        js = payloads.js
         cid = subjects.new_cid()
         for i in range(5):
             await payloads.publish(subjects.out(cid), f"o{i}".encode(), ack=True)
@@ -27,5 +23,3 @@ async def test_read_stored_reads_everything_or_on_from_a_sequence(nats_url: str)
         rest = [body async for _, body, _ in bus.read_stored(js, payloads, filters, after=seqs[2])]
         assert rest == [b"o3", b"o4", b"fin"]
         assert [m async for m in bus.read_stored(js, payloads, filters, after=seqs[-1])] == []
-    finally:
-        await bus.close(nc)

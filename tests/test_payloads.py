@@ -10,18 +10,14 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
-from duplexbus.shared import bus, subjects
+from duplexbus.shared import subjects
 from duplexbus.shared.config import parse_config
-from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
+from tests.helpers import WS, Stack, bus_client, echo_bytes, pcm_file, running_stack
 
 
 async def test_large_body_round_trip_through_the_object_store(nats_url: str) -> None:
-    cfg = parse_config({"nats_url": nats_url})
-    nc = await bus.connect(cfg, "test-payloads")
-    try:
-        js = nc.jetstream()
-        await bus.ensure_stream(js, cfg)
-        payloads = bus.Payloads(nc, js, cfg)
+    async with bus_client(nats_url, "test-payloads") as payloads:
+        nc, js = payloads.nc, payloads.js
         big = os.urandom(nc.max_payload + 12345)
         small = b"small"
         got: asyncio.Queue[bytes] = asyncio.Queue()
@@ -37,8 +33,6 @@ async def test_large_body_round_trip_through_the_object_store(nats_url: str) -> 
         # the stream keeps the small reference, so a replay finds the body too
         stored = await js.get_last_msg(subjects.STREAM, "call.payloadtest.out")
         assert stored.data == small
-    finally:
-        await nc.close()
 
 
 @pytest.fixture(scope="module")
