@@ -15,7 +15,7 @@ from duplexbus.shared.config import parse_config
 
 class FakeWS:
     def __init__(self) -> None:
-        self.sent: list[str] = []
+        self.sent: list[bytes] = []
         self.scope: dict[str, Any] = {"extensions": {SEND_NOW: self.sent.append}}
 
 

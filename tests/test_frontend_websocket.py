@@ -90,7 +90,7 @@ async def test_messages_sent_in_one_turn_leave_in_one_write() -> None:
     proto, transport, scope = await _accepted()
     send_now = scope["extensions"][SEND_NOW]
     for i in range(10):
-        send_now(f'{{"n": {i}}}')
+        send_now(f'{{"n": {i}}}'.encode())
     assert transport.writes == []  # nothing written until the loop turns
     await asyncio.sleep(0)
     assert len(transport.writes) == 1
@@ -118,7 +118,7 @@ async def test_client_over_the_send_buffer_is_dropped() -> None:
     send_now = scope["extensions"][SEND_NOW]
     with pytest.raises(ClientDisconnected):
         for _ in range(100):
-            send_now("x" * 500)
+            send_now(b"x" * 500)
     assert transport.aborted
     proto.connection_lost(None)
     assert proto.queue.get_nowait() == {"type": "websocket.disconnect", "code": 1005}  # the app hears of it

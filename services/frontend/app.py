@@ -27,7 +27,7 @@ from duplexbus.services.frontend.protocol import (
     parse_message,
     valid_request_id,
 )
-from duplexbus.services.frontend.service import Call, ClientMessage, FrontendService, to_json
+from duplexbus.services.frontend.service import Call, FrontendService, Reply, to_json
 from duplexbus.services.frontend.websocket import DRAIN, SEND_NOW
 from duplexbus.shared.config import ServingConfig
 from duplexbus.shared.errors import Aborted, Conflict, DuplexError, LimitExceeded, Overloaded, ProtocolError, UnknownCall
@@ -64,11 +64,11 @@ class SocketSession:
         self.ws = ws
         self.service = service
         self.calls: dict[str, Call] = {}
-        self.send_now: Callable[[str], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
-        self.queue: asyncio.Queue[ClientMessage] = asyncio.Queue(SEND_QUEUE)
+        self.send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
+        self.queue: asyncio.Queue[Reply] = asyncio.Queue(SEND_QUEUE)
         self.overflowed = False
 
-    def send(self, msg: ClientMessage) -> None:
+    def send(self, msg: Reply) -> None:
         if self.send_now is not None:
             with contextlib.suppress(OSError):  # the socket is gone: its calls are being aborted
                 self.send_now(to_json(msg))
@@ -85,7 +85,7 @@ class SocketSession:
             msg = await self.queue.get()
             if self.overflowed:
                 return
-            await self.ws.send_text(to_json(msg))
+            await self.ws.send_text(to_json(msg).decode())
 
     def live(self, rid: str | None) -> Call | None:
         return self.calls.get(rid) if rid is not None else None
@@ -247,12 +247,12 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         if not isinstance(msg, Opening):
             err = ProtocolError("POST /generate takes an opening (no append, end_input alone or abort)")
             return error_response(msg.request_id, err)
-        buf: deque[ClientMessage] = deque()
+        buf: deque[Reply] = deque()
         more = asyncio.Event()
         opened: list[Call] = []
         overflowed = False
 
-        def sink(m: ClientMessage) -> None:
+        def sink(m: Reply) -> None:
             nonlocal overflowed
             if overflowed:
                 return
@@ -286,7 +286,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
                             return
                         more.clear()
                         await more.wait()
-                    yield (to_json(buf.popleft()) + "\n").encode()
+                    yield to_json(buf.popleft()) + b"\n"
             finally:
                 watcher.cancel()
                 _abort_soon(svc, call)

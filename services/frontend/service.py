@@ -39,15 +39,17 @@ from duplexbus.shared.service import TaskSet, delete_quietly, every, heartbeat
 
 log = logging.getLogger(__name__)
 
-ClientMessage = dict[str, Any] | str
-"""A server -> client message: a dict, or one already serialized to JSON (relayed outputs)."""
+Reply = dict[str, Any] | bytes
+"""A server -> client message: a dict, or one already serialized to JSON text (relayed
+outputs, which go from the bus to the socket as bytes, never decoded)."""
 
-Sink = Callable[[ClientMessage], None]
+Sink = Callable[[Reply], None]
 """Takes one server -> client message; never blocks (bounded, see app.SocketSession)."""
 
 
-def to_json(msg: ClientMessage) -> str:
-    return msg if isinstance(msg, str) else msgspec.json.encode(msg).decode()
+def to_json(msg: Reply) -> bytes:
+    """The message as JSON text, UTF-8."""
+    return msg if isinstance(msg, bytes) else msgspec.json.encode(msg)
 
 
 OUTPUT_RECOVER_S = 0.3  # an output missing this long (after a gap or a fin) is read from the stream
@@ -74,16 +76,16 @@ class Call:
     on_end: Callable[[Call], None] | None = None  # the owner forgets it (a socket's request_ids)
     timers: list[asyncio.TimerHandle] = field(default_factory=list)  # waits after the fin
 
-    _output_prefix: str | None = None
+    _output_prefix: bytes | None = None
 
     def reply(self, body: dict[str, Any]) -> None:
         self.sink({"request_id": self.request_id, **body})
 
     def relay_output(self, event_json: bytes) -> None:
-        """`{"request_id": ..., "output": EVENT}` spliced as text: the event is never decoded here."""
+        """`{"request_id": ..., "output": EVENT}` spliced as JSON text: the event is never decoded here."""
         if self._output_prefix is None:
-            self._output_prefix = '{"request_id":' + msgspec.json.encode(self.request_id).decode() + ',"output":'
-        self.sink(self._output_prefix + event_json.decode() + "}")
+            self._output_prefix = b'{"request_id":' + msgspec.json.encode(self.request_id) + b',"output":'
+        self.sink(b"".join((self._output_prefix, event_json, b"}")))
 
 
 class FrontendService:

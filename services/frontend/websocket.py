@@ -32,7 +32,7 @@ from websockets.exceptions import InvalidState
 log = logging.getLogger(__name__)
 
 MAX_INBOUND = 256  # client messages read ahead of the app before reading pauses
-SEND_NOW = "duplexbus.send_now"  # ASGI scope extension: send a text message without awaiting
+SEND_NOW = "duplexbus.send_now"  # ASGI scope extension: send a text message (UTF-8 bytes) without awaiting
 DRAIN = "duplexbus.drain"  # lifespan state: starts (once) the app's drain, returns its task
 
 
@@ -98,10 +98,11 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         self._flush()  # what was queued goes out before the reply to the client's close
         super().handle_close(event)
 
-    def send_now(self, text: str) -> None:
-        """Queue one text message for the next write, without awaiting; raises ClientDisconnected
-        where the socket is gone, or is dropped now because its client is not reading."""
-        self._send_frame(self.conn.send_text, text.encode())
+    def send_now(self, text: bytes) -> None:
+        """Queue one text message (UTF-8) for the next write, without awaiting; raises
+        ClientDisconnected where the socket is gone, or is dropped now because its client is
+        not reading."""
+        self._send_frame(self.conn.send_text, text)
 
     async def send(self, message: Any) -> None:
         if message["type"] != "websocket.send" or not self.handshake_complete or self.close_sent:
