@@ -195,7 +195,7 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
         await fe.append(call, Append("lossy", ClientInput(files=[ClientFile("a.pcm", samples.tobytes())])))
         await fe.end_input(call, EndInput("lossy", True))
         await asyncio.wait_for(finished.wait(), 15)
-        outputs = [json.loads(m)["output"]["frame"] for m in got if isinstance(m, str)]
+        outputs = [json.loads(m)["output"]["frame"] for m in got if isinstance(m, bytes)]  # relayed as JSON bytes
         assert dropped == [3]
         assert outputs == list(range(10))  # output 3 came back from the stream, in order
         assert "finish" in got[-1]
