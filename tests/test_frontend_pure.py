@@ -292,3 +292,45 @@ def test_framer_items_take_the_stream_dtype_with_or_without_a_remainder() -> Non
     second = f.push(np.arange(6, dtype=np.int32))
     third = f.push(np.arange(2, dtype=np.int32))  # completes an item from the remainder
     assert [x.dtype for x in first + second + third] == [np.dtype("<i2")] * 3
+
+
+def _same(a: object, b: object) -> bool:
+    """Parse results equal, errors by type, text and fields (exceptions compare by identity)."""
+    if isinstance(a, ParseError) and isinstance(b, ParseError):
+        return (type(a.error), str(a.error), a.request_id, a.kind) == (type(b.error), str(b.error), b.request_id, b.kind)
+    return a == b
+
+
+B64 = base64.b64encode(np.arange(8, dtype="<i2").tobytes()).decode()
+FAST_OR_NOT = [
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64}]}, True),
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64, "stream": "aux_in"}, {"name": "b.pcm", "data": ""}]}, True),
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64, "stream": None}]}, True),
+    ({"request_id": "r1", "append": []}, False),
+    ({"request_id": "r1", "append": [{"name": "", "data": B64}]}, False),
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64[:-1]}]}, False),  # bad padding
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64[:4] + "\n" + B64[4:]}]}, False),
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": "é" + B64}]}, False),
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64, "extra": 1}]}, False),
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64}], "end_input": True}, False),
+    ({"request_id": "r1", "append": {"files": [{"name": "a.pcm", "data": B64}]}}, False),
+    ({"request_id": "r 1", "append": [{"name": "a.pcm", "data": B64}]}, False),
+    ({"request_id": None, "append": [{"name": "a.pcm", "data": B64}]}, False),
+    ({"request_id": "r1", "append": [{"name": 3, "data": B64}]}, False),
+    ({"request_id": "r1", "append": [{"name": "a.pcm", "data": B64}], "abort": True}, False),
+]
+
+
+@pytest.mark.parametrize(("msg", "fast"), FAST_OR_NOT)
+def test_the_fast_append_path_reads_exactly_what_the_general_path_reads(msg: dict[str, object], fast: bool) -> None:
+    """A plain audio append skips the general parser; anything else (refusals included) goes
+    through it, so every answer is the general path's."""
+    from duplexbus.services.frontend import protocol
+
+    text = json.dumps(msg)
+    assert (protocol._fast_append(text) is not None) is fast
+    general = protocol._parse_text(text, None, False, False)
+    assert _same(parse_message(text), general)
+    assert _same(parse_message(text.encode()), general)
+    if fast:
+        assert isinstance(general, Append)

@@ -21,6 +21,22 @@ from duplexbus.shared.model import ClientFile, ClientInput
 
 _json_decode = msgspec.json.Decoder().decode
 
+
+class _AudioFile(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    data: str
+    stream: str | None = None
+
+
+class _AudioAppend(msgspec.Struct, forbid_unknown_fields=True):
+    """The message a live call sends most: `{"request_id", "append": [files]}`, nothing else."""
+
+    request_id: str
+    append: list[_AudioFile]
+
+
+_audio_append = msgspec.json.Decoder(_AudioAppend).decode
+
 REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REQUEST_ID_RULE = "request_id must be 1-64 characters of [A-Za-z0-9_-]"
 
@@ -102,8 +118,16 @@ def parse_message(text: str | bytes, max_bytes: int | None = None, one_shot: boo
     too_big = max_bytes is not None and (
         size > max_bytes or (isinstance(text, str) and 4 * size > max_bytes and len(text.encode()) > max_bytes)
     )
+    if not too_big and not one_shot and (fast := _fast_append(text)) is not None:
+        return fast
+    return _parse_text(text, max_bytes, too_big, one_shot)
+
+
+def _parse_text(text: str | bytes, max_bytes: int | None, too_big: bool, one_shot: bool) -> ClientMessage | ParseError:
+    """The general path: any message, every refusal with its reason (of one `too_big`, only
+    its request_id and kind are read)."""
     try:
-        raw = _json_decode(text)  # msgspec's decoder: the hot path parses every append
+        raw = _json_decode(text)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         if too_big:
             return ParseError(_too_big(text, max_bytes))
@@ -122,6 +146,29 @@ def parse_message(text: str | bytes, max_bytes: int | None = None, one_shot: boo
         return _parse(msg, kind, one_shot)
     except ProtocolError as e:
         return ParseError(e, rid_text, kind)
+
+
+def _fast_append(text: str | bytes) -> Append | None:
+    """A plain audio append, decoded straight into its fields: a third of the general path's
+    time, on the message every live call sends every few tens of milliseconds. None for
+    anything else, or anything the general path would refuse or read otherwise (unknown or
+    null-free fields, an invalid request_id, an empty name, bad base64): that path decides,
+    with its error messages."""
+    try:
+        msg = _audio_append(text)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    if not msg.append or not valid_request_id(msg.request_id):
+        return None
+    files = []
+    for f in msg.append:
+        if not f.name:
+            return None
+        try:
+            files.append(ClientFile(f.name, pybase64.b64decode(f.data.encode("ascii"), validate=True), f.stream))
+        except (binascii.Error, ValueError):
+            return None
+    return Append(msg.request_id, ClientInput(files=files))
 
 
 def _too_big(text: str | bytes, max_bytes: int | None) -> LimitExceeded:
