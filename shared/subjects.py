@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import time
@@ -122,6 +123,7 @@ class CallSubject:
     edge: str | None  # edge name, or partition name for `done`
 
 
+@functools.lru_cache(maxsize=8192)  # every message of a live call is parsed; its few subjects repeat
 def parse(subject: str) -> CallSubject:
     parts = subject.split(".")
     if len(parts) < 3 or parts[0] != _PREFIX:
