@@ -209,7 +209,9 @@ class WorkerService:
             if self.producer_of.get(e) in call.partitions:
                 continue  # produced in this process: handed over directly (_local_consumer)
             call.subs.append(await bus.subscribe_direct(self.nc, subjects.consumed(a.cid, e), self._on_data))
-        await self.nc.flush()
+        # No flush (a round trip) here: assignments are handled one at a time, and the catch-up
+        # read's barrier is published on this connection after these subscriptions, so the
+        # server has them in place before it stores the barrier.
         self._start_catch_up(call)
         for p in mine:
             self.runners[p].wake.set()
