@@ -54,6 +54,8 @@ async def fill(nc: nats.NATS, calls: int, items: int) -> tuple[int, float]:
     for c in range(calls):
         cid = f"{c:012x}fill"
         await nc.publish(subjects.open_(cid), b"open")
+        for worker in ("worker-e", "worker-t"):  # each partition's worker stores where it took the call
+            await nc.publish(subjects.placed(cid, worker), b"placed")
         for s in range(items):
             await nc.publish(subjects.input_(cid, "audio_in"), item_msg(s))
             await nc.publish(subjects.edge(cid, "frames"), item_msg(s))
@@ -61,7 +63,7 @@ async def fill(nc: nats.NATS, calls: int, items: int) -> tuple[int, float]:
         for subj in (subjects.eoi(cid, "audio_in"), subjects.edge_end(cid, "frames"), subjects.done(cid, "Encoder"),
                      subjects.done(cid, "Talker"), subjects.fin(cid)):  # fmt: skip
             await nc.publish(subj, b"x")
-        n += 1 + 3 * items + 5
+        n += 3 + 3 * items + 5
         if c % 500 == 0:
             await nc.flush()
     await nc.flush()
@@ -74,10 +76,11 @@ Subscribe = Callable[[nats.NATS, str, Callable[[Any], Awaitable[None]]], Awaitab
 
 
 async def core_sub_and_catch_up(nc: nats.NATS, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
-    """A (chosen): core subscription per call, plus one catch-up read (an ephemeral consumer)."""
+    """A (chosen): core subscription per call, then, as a worker does, a barrier (its placed
+    message, stored with an ack) and one catch-up read (an ephemeral consumer)."""
     sub = await nc.subscribe(subjects.consumed(cid, "audio_in"), cb=cb)
-    await nc.flush()
     js = nc.jetstream()
+    await js.publish(subjects.placed(cid, "worker-bench"), b"placed")
     cfg = ConsumerConfig(filter_subjects=[subjects.consumed(cid, "audio_in")], deliver_policy=DeliverPolicy.ALL,
                          ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True)  # fmt: skip
     info = await js.add_consumer(subjects.STREAM, cfg)
