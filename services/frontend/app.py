@@ -21,6 +21,7 @@ from duplexbus.services.frontend.calls import InputState
 from duplexbus.services.frontend.protocol import (
     AbortCall,
     Append,
+    ClientMessage,
     EndInput,
     Opening,
     ParseError,
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 SEND_QUEUE = 8192  # server -> client messages waiting for a slow reader; past it the socket (or one-shot) ends
+LANE_MAX = 256  # messages of one call waiting behind its opening or end: past it the socket waits
+LANES_MAX = 64  # calls of one socket with an opening, end or abort under way: past it the socket waits
+CLOSE_WAIT_S = 10.0  # on close, how long an opening under way may take before the socket's calls are aborted
 NO_CALL = "no live call with this request_id on this socket (never opened here, or ended)"
 INTERNAL = DuplexError("internal error")  # status 500: a bug, not the client's doing
 
@@ -64,6 +68,12 @@ class SocketSession:
         self.ws = ws
         self.service = service
         self.calls: dict[str, Call] = {}
+        # Messages of a call whose opening, end of input or abort is under way, by request_id:
+        # they wait for it, while other calls' messages on this socket go on.
+        self.lanes: dict[str | None, deque[ClientMessage | ParseError]] = {}
+        self._lane_tasks: set[asyncio.Task[None]] = set()
+        self._lane_moved = asyncio.Event()
+        self.closed = False
         self.send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
         self.queue: asyncio.Queue[Reply] = asyncio.Queue(SEND_QUEUE)
         self.overflowed = False
@@ -101,8 +111,41 @@ class SocketSession:
         self.send(error_body(rid, err, append=True))
 
     async def handle(self, data: str | bytes) -> None:
-        limit = self.service.config.max_message_bytes
-        msg = parse_message(data, max_bytes=limit)
+        """One client message. A plain append is handled at once; an opening, an end of input
+        or an abort waits on round trips to the bus, so it runs in a lane of its call's own,
+        and that call's later messages queue behind it, in order: one call's slow opening
+        does not hold up the appends of the others on the socket."""
+        msg = parse_message(data, max_bytes=self.service.config.max_message_bytes)
+        rid = msg.request_id
+        # Backpressure: past either bound the socket reads no more until a lane moves on.
+        while ((lane := self.lanes.get(rid)) is not None and len(lane) >= LANE_MAX) or (
+            lane is None and not _plain_append(msg) and len(self.lanes) >= LANES_MAX
+        ):
+            self._lane_moved.clear()
+            await self._lane_moved.wait()
+        if lane is not None:
+            lane.append(msg)
+        elif _plain_append(msg):
+            await self._handle(msg)
+        else:
+            self.lanes[rid] = deque()
+            task = asyncio.get_running_loop().create_task(self._run_lane(rid, msg))
+            self._lane_tasks.add(task)
+            task.add_done_callback(self._lane_tasks.discard)
+
+    async def _run_lane(self, rid: str | None, first: ClientMessage | ParseError) -> None:
+        lane = self.lanes[rid]
+        try:
+            await self._handle(first)
+            while lane:
+                msg = lane.popleft()
+                self._lane_moved.set()
+                await self._handle(msg)
+        finally:
+            del self.lanes[rid]
+            self._lane_moved.set()
+
+    async def _handle(self, msg: ClientMessage | ParseError) -> None:
         try:
             if isinstance(msg, ParseError):
                 await self._refused(msg)
@@ -142,6 +185,9 @@ class SocketSession:
         if self.live(o.request_id) is not None:
             raise Conflict(f"request_id {o.request_id!r} is already in use by a live call")
         call = await self.service.open_call(o, self.send, self, on_end=self._forget)
+        if self.closed:  # the socket closed while the call was opening
+            await self.service.abort(call, "socket closed", 499)
+            return
         if o.request_id is not None:
             self.calls[o.request_id] = call
 
@@ -176,13 +222,25 @@ class SocketSession:
     async def close(self) -> None:
         """The socket closed: abort its calls, which frees their admission slots.
 
+        What its lanes still held is dropped; an opening under way is let finish (for up to
+        CLOSE_WAIT_S), and a call it opens after this is aborted at once (`_open`).
         One-shots first (they may be queued): were a live call's slot freed first, the
         conductor could admit this socket's own queued one-shot into it, ahead of others.
         (One-shots without a request_id are not in self.calls, hence the scan.)
         """
+        self.closed = True
+        for lane in self.lanes.values():
+            lane.clear()
+        if self._lane_tasks:
+            await asyncio.wait(list(self._lane_tasks), timeout=CLOSE_WAIT_S)
         mine = [c for c in self.service.calls.values() if c.owner is self]
         for call in sorted(mine, key=lambda c: c.live):
             await self.service.abort(call, "socket closed", 499)
+
+
+def _plain_append(msg: ClientMessage | ParseError) -> bool:
+    """An append that ends no stream: it is framed and published without a round trip."""
+    return isinstance(msg, Append) and msg.end_input is None
 
 
 async def _abort_when_gone(request: Request, svc: FrontendService, call: Call) -> None:
