@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -142,6 +143,8 @@ class UpStack:
                 self.proc.wait(40)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        # The stream's store (up to retention.max_bytes, 2 GiB) goes; the logs stay for a look.
+        shutil.rmtree(self.dir / "run" / "nats", ignore_errors=True)
 
     def __enter__(self) -> UpStack:
         return self

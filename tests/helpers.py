@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,9 +181,11 @@ class Stack:
         return f"http://127.0.0.1:{self.ports[i]}"
 
     def stop(self) -> None:
+        """Stop every process, then remove the stack's folder (its logs are in failure messages)."""
         order = sorted(self.procs.values(), key=lambda p: (not p.name.startswith("frontend"), p.name.startswith("conductor")))
         for p in order:
             p.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.tail()}" for p in self.procs.values())

@@ -56,6 +56,7 @@ async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers()
     (another machine, unsynchronised). Before, liveness compared the server's stored time
     with that clock, and every live worker looked an hour dead."""
     import asyncio
+    import shutil
     import tempfile
     import time
     import types
@@ -65,7 +66,8 @@ async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers()
     from duplexbus.shared.config import parse_config
     from duplexbus.shared.embedded import NatsServer
 
-    server = NatsServer(tempfile.mkdtemp(prefix="duplexbus-skew-")).start()
+    store = tempfile.mkdtemp(prefix="duplexbus-skew-")
+    server = NatsServer(store).start()
     config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
     skewed = types.SimpleNamespace(time=lambda: time.time() + 3600, monotonic=time.monotonic)
     real_time = conductor_service.time
@@ -87,3 +89,4 @@ async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
         conductor_service.time = real_time
         server.stop()
+        shutil.rmtree(store, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 
 import numpy as np
@@ -46,3 +47,4 @@ async def test_server_killed_and_restarted_mid_call() -> None:
             stack.stop()
     finally:
         server.stop()  # the restarted one, or the first if the test failed before the restart
+        shutil.rmtree(store, ignore_errors=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -76,7 +77,8 @@ async def test_a_worker_goes_on_stepping_while_a_done_waits_on_a_stopped_server(
     """SIGSTOP: the server keeps its connections but answers nothing for longer than a
     JetStream publish waits (5 s). Before, the step loop awaited the done's ack: its steps
     stopped, and the timeout then ended the worker."""
-    server = NatsServer(tempfile.mkdtemp(prefix="duplexbus-store-behind-")).start()
+    store = tempfile.mkdtemp(prefix="duplexbus-store-behind-")
+    server = NatsServer(store).start()
     stop = asyncio.Event()
     w = WorkerService(parse_config({"nats_url": server.url}), "echo", ["Talker"])
     run = asyncio.create_task(w.run(stop))
@@ -113,3 +115,4 @@ async def test_a_worker_goes_on_stepping_while_a_done_waits_on_a_stopped_server(
         stop.set()
         await asyncio.wait_for(run, 30)
         server.stop()
+        shutil.rmtree(store, ignore_errors=True)
