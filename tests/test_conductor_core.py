@@ -241,3 +241,16 @@ def test_the_fin_carries_the_revision_that_reserved_the_request_id() -> None:
     restored = core.Conductor(c.config)
     restored.restore(saves(actions))
     assert restored.calls["a"].request_id_revision == 42
+
+
+def test_a_call_survives_its_record_unchanged() -> None:
+    """from_record(record()) gives the same call (what a restore needs is all in the record)."""
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    c.handle(opened("a"))
+    call = c.calls["a"]
+    call.done["Encoder"] = 3
+    call.usage["frames"] = 3
+    back = core.Call.from_record(call.record())
+    assert back.record() == call.record()
+    assert (back.state, back.placement, back.open_streams) == (call.state, call.placement, call.open_streams)

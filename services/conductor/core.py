@@ -172,6 +172,27 @@ class Call:
     def move(self, to: CallState) -> None:
         self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
 
+    @classmethod
+    def from_record(cls, r: wire.CallRecord) -> Call:
+        """The call as a record saved it (record() is the other way)."""
+        return cls(
+            cid=r.cid,
+            request_id=r.request_id,
+            model=r.model,
+            frontend_id=r.frontend_id,
+            live=r.live,
+            created=r.created,
+            request_id_revision=r.request_id_revision,
+            model_kwargs=dict(r.model_kwargs),
+            kwargs_in_open=r.kwargs_in_open,
+            partitions=list(r.partitions),
+            open_streams=set(r.open_streams),
+            state=CallState(r.state),
+            placement=dict(r.placement),
+            done=dict(r.done),
+            usage=dict(r.usage),
+        )
+
     def record(self) -> wire.CallRecord:
         return wire.CallRecord(
             cid=self.cid,
@@ -446,23 +467,7 @@ class Conductor:
     def restore(self, records: list[wire.CallRecord]) -> None:
         """Rebuild state from the KV records after a restart."""
         for r in sorted(records, key=lambda r: r.created):
-            call = Call(
-                cid=r.cid,
-                request_id=r.request_id,
-                model=r.model,
-                frontend_id=r.frontend_id,
-                live=r.live,
-                created=r.created,
-                request_id_revision=r.request_id_revision,
-                model_kwargs=dict(r.model_kwargs),
-                kwargs_in_open=r.kwargs_in_open,
-                partitions=list(r.partitions),
-                open_streams=set(r.open_streams),
-                state=CallState(r.state),
-                placement=dict(r.placement),
-                done=dict(r.done),
-                usage=dict(r.usage),
-            )
+            call = Call.from_record(r)
             if call.state is not CallState.QUEUED:
                 call.acked = set(call.placement)
                 if call.state is CallState.PLACING:
