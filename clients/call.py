@@ -11,17 +11,15 @@ import argparse
 import asyncio
 import json
 import secrets
-import struct
 import sys
 import time
-import wave
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import websockets
 
-from duplexbus.shared.audio import b64_pcm16, encode_wav, pcm16_from_b64
+from duplexbus.shared.audio import WAV_ERRORS, b64_pcm16, encode_wav, pcm16_from_b64, pcm16_mono_mismatch
 from duplexbus.shared.audio import read_wav as parse_wav
 
 # Appends go as raw PCM (`chunk.pcm`), which the models read at their own rate:
@@ -36,17 +34,12 @@ def read_wav(path: str) -> tuple[np.ndarray, int]:
         channels, width, rate, frames = parse_wav(Path(path).read_bytes())
     except OSError as e:
         raise SystemExit(f"{path}: cannot read: {e}") from None
-    except (wave.Error, EOFError, struct.error) as e:
+    except WAV_ERRORS as e:
         raise SystemExit(f"{path}: not a readable WAV file: {e}") from None
-    wrong = []
-    if channels != 1:
-        wrong.append(f"1 channel (got {channels})")
-    if width != 2:
-        wrong.append(f"16-bit samples (got {8 * width}-bit)")
-    if rate != SAMPLE_RATE:
-        wrong.append(f"{SAMPLE_RATE} Hz (got {rate} Hz; resample it first)")
+    wrong = pcm16_mono_mismatch(channels, width, rate, SAMPLE_RATE)
     if wrong:
-        raise SystemExit(f"{path}: expected " + ", ".join(wrong))
+        hint = "; resample it first" if rate != SAMPLE_RATE else ""
+        raise SystemExit(f"{path}: expected {wrong}{hint}")
     return np.frombuffer(frames, dtype="<i2"), rate
 
 

@@ -22,8 +22,25 @@ def decode_audio_file(name: str, data: bytes, sample_rate: int) -> np.ndarray:
         raise BadRequest(f"file {name!r} is not a WAV file (RIFF/WAVE) and does not end in .pcm")
     try:
         channels, width, rate, frames = read_wav(data)
-    except (wave.Error, EOFError, struct.error) as e:
+    except WAV_ERRORS as e:
         raise BadRequest(f"file {name!r}: unreadable WAV: {e}") from None
+    wrong = pcm16_mono_mismatch(channels, width, rate, sample_rate)
+    if wrong:
+        raise BadRequest(f"file {name!r}: expected {wrong}")
+    return np.frombuffer(frames, dtype="<i2").copy()
+
+
+WAV_ERRORS = (wave.Error, EOFError, struct.error)  # what reading a malformed WAV raises
+
+
+def read_wav(data: bytes) -> tuple[int, int, int, bytes]:
+    """(channels, sample width in bytes, rate, frame bytes) of a WAV file; raises WAV_ERRORS."""
+    with wave.open(io.BytesIO(data), "rb") as w:
+        return w.getnchannels(), w.getsampwidth(), w.getframerate(), w.readframes(w.getnframes())
+
+
+def pcm16_mono_mismatch(channels: int, width: int, rate: int, sample_rate: int) -> str:
+    """What a WAV's format lacks to be mono PCM16 at `sample_rate` ("" when nothing)."""
     wrong = []
     if channels != 1:
         wrong.append(f"1 channel (got {channels})")
@@ -31,15 +48,7 @@ def decode_audio_file(name: str, data: bytes, sample_rate: int) -> np.ndarray:
         wrong.append(f"{sample_rate} Hz (got {rate})")
     if width != 2:
         wrong.append(f"16-bit samples (got {8 * width}-bit)")
-    if wrong:
-        raise BadRequest(f"file {name!r}: expected " + ", ".join(wrong))
-    return np.frombuffer(frames, dtype="<i2").copy()
-
-
-def read_wav(data: bytes) -> tuple[int, int, int, bytes]:
-    """(channels, sample width in bytes, rate, frame bytes) of a WAV file; raises wave.Error."""
-    with wave.open(io.BytesIO(data), "rb") as w:
-        return w.getnchannels(), w.getsampwidth(), w.getframerate(), w.readframes(w.getnframes())
+    return ", ".join(wrong)
 
 
 def b64_pcm16(pcm: np.ndarray) -> str:
