@@ -16,31 +16,31 @@ FORGOTTEN_MAX = 10_000  # lost keys whose last revision is kept, so a replay doe
 class Liveness:
     def __init__(self, liveness_s: float) -> None:
         self.liveness_s = liveness_s
-        self._alive: dict[str, float] = {}  # key -> when its latest new revision came (local clock)
-        self._revision: dict[str, int] = {}  # key -> the latest revision seen, alive or lost
+        self._alive: dict[str, tuple[int, float]] = {}  # key -> (latest revision, when it came by the local clock)
+        self._lost: dict[str, int] = {}  # lost key -> its last revision, oldest loss first
 
     def __contains__(self, key: str) -> bool:
         return key in self._alive
 
     def saw(self, key: str, revision: int, now: float) -> bool:
         """A put of `key` came at `now`: True where it is a new heartbeat, False for a replay."""
-        if revision <= self._revision.get(key, 0):
+        last = self._alive[key][0] if key in self._alive else self._lost.get(key, 0)
+        if revision <= last:
             return False
-        self._revision[key] = revision
-        self._alive[key] = now
+        self._lost.pop(key, None)
+        self._alive[key] = (revision, now)
         return True
 
     def left(self, key: str) -> bool:
         """The key was deleted (a clean exit): True where it was alive until now."""
-        self._revision.pop(key, None)  # a deleted key starts again with a higher revision
+        self._lost.pop(key, None)  # a deleted key starts again with a higher revision
         return self._alive.pop(key, None) is not None
 
     def expired(self, now: float) -> list[str]:
         """Keys with no new heartbeat for more than liveness_s: lost from now on."""
-        lost = [k for k, t in self._alive.items() if now - t > self.liveness_s]
+        lost = [k for k, (_, t) in self._alive.items() if now - t > self.liveness_s]
         for k in lost:
-            del self._alive[k]
-        while len(self._revision) - len(self._alive) > FORGOTTEN_MAX:
-            oldest_lost = next(k for k in self._revision if k not in self._alive)
-            del self._revision[oldest_lost]
+            self._lost[k] = self._alive.pop(k)[0]
+        while len(self._lost) > FORGOTTEN_MAX:
+            del self._lost[next(iter(self._lost))]
         return lost
