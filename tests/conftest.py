@@ -1,13 +1,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from duplexbus.shared.embedded import NatsServer
-from tests.helpers import WS, Stack
+from tests.helpers import WS, Stack, own_nats_server
 
 
 @pytest.fixture(scope="session")
@@ -16,9 +14,8 @@ def nats_url() -> Iterator[str]:
     if os.environ.get("NATS_URL"):
         yield os.environ["NATS_URL"]
         return
-    with tempfile.TemporaryDirectory(prefix="duplexbus-nats-") as d:
-        with NatsServer(d) as server:
-            yield server.url
+    with own_nats_server("duplexbus-nats-") as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from duplexbus.models.echo import FRAME
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.audio import b64_pcm16
 from duplexbus.shared.config import parse_config
-from duplexbus.shared.embedded import free_port
+from duplexbus.shared.embedded import NatsServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -333,3 +333,11 @@ async def bus_client(nats_url: str, name: str) -> AsyncIterator[bus.Payloads]:
         yield bus.Payloads(nc, js, cfg)
     finally:
         await bus.close(nc)
+
+
+@contextlib.contextmanager
+def own_nats_server(prefix: str) -> Iterator[NatsServer]:
+    """A nats-server of the test's own (one it may freeze, kill or restart on its store), in a
+    temporary folder that goes with it."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as store, NatsServer(store) as server:
+        yield server

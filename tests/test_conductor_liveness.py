@@ -1,8 +1,20 @@
-"""Liveness from heartbeat revisions and the conductor's own clock (no bus)."""
+"""Liveness from heartbeat revisions and the conductor's own clock: the rules without a bus,
+then a conductor and a worker on a real server with the conductor's clock an hour ahead."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+import types
+
+import pytest
+
+from duplexbus.services.conductor import liveness
+from duplexbus.services.conductor import service as conductor_service
 from duplexbus.services.conductor.liveness import Liveness
+from duplexbus.services.worker.service import WorkerService
+from duplexbus.shared.config import parse_config
+from tests.helpers import own_nats_server
 
 
 def test_a_process_is_alive_while_new_revisions_come_by_the_local_clock() -> None:
@@ -34,59 +46,38 @@ def test_a_clean_exit_is_reported_once_and_the_key_may_come_back() -> None:
     assert live.saw("f1", revision=9, now=1.0)
 
 
-def test_forgotten_keys_are_bounded() -> None:
+def test_forgotten_keys_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     live = Liveness(liveness_s=1.0)
     for i in range(30):
         live.saw(f"w{i}", revision=i + 1, now=0.0)
     assert len(live.expired(now=5.0)) == 30
-    import duplexbus.services.conductor.liveness as mod
-
-    old, mod.FORGOTTEN_MAX = mod.FORGOTTEN_MAX, 10
-    try:
-        live.saw("x", revision=100, now=5.0)
-        live.expired(now=5.5)
-        assert len(live._revision) == 11  # ten lost keys remembered, and the live one
-        assert not live.saw("w29", revision=30, now=6.0)  # the latest lost are the ones kept
-    finally:
-        mod.FORGOTTEN_MAX = old
+    monkeypatch.setattr(liveness, "FORGOTTEN_MAX", 10)
+    live.saw("x", revision=100, now=5.0)
+    live.expired(now=5.5)
+    assert len(live._lost) == 10 and "x" in live  # ten lost keys remembered, and the live one
+    assert not live.saw("w29", revision=30, now=6.0)  # the latest lost are the ones kept
 
 
-async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers() -> None:
+async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real server and worker; the conductor's wall clock runs an hour ahead of theirs
     (another machine, unsynchronised). Before, liveness compared the server's stored time
     with that clock, and every live worker looked an hour dead."""
-    import asyncio
-    import shutil
-    import tempfile
-    import time
-    import types
-
-    from duplexbus.services.conductor import service as conductor_service
-    from duplexbus.services.worker.service import WorkerService
-    from duplexbus.shared.config import parse_config
-    from duplexbus.shared.embedded import NatsServer
-
-    store = tempfile.mkdtemp(prefix="duplexbus-skew-")
-    server = NatsServer(store).start()
-    config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
     skewed = types.SimpleNamespace(time=lambda: time.time() + 3600, monotonic=time.monotonic)
-    real_time = conductor_service.time
-    conductor_service.time = skewed  # type: ignore[assignment]
-    stop = asyncio.Event()
-    conductor = conductor_service.ConductorService(config)
-    worker = WorkerService(config, "echo")
-    tasks = [asyncio.create_task(conductor.run(stop)), asyncio.create_task(worker.run(stop))]
-    try:
-        for _ in range(100):
-            if worker.worker_id in conductor.core.workers:
-                break
-            await asyncio.sleep(0.05)
-        assert worker.worker_id in conductor.core.workers
-        await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
-        assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
-        conductor_service.time = real_time
-        server.stop()
-        shutil.rmtree(store, ignore_errors=True)
+    monkeypatch.setattr(conductor_service, "time", skewed)
+    with own_nats_server("duplexbus-skew-") as server:
+        config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
+        stop = asyncio.Event()
+        conductor = conductor_service.ConductorService(config)
+        worker = WorkerService(config, "echo")
+        tasks = [asyncio.create_task(conductor.run(stop)), asyncio.create_task(worker.run(stop))]
+        try:
+            for _ in range(100):
+                if worker.worker_id in conductor.core.workers:
+                    break
+                await asyncio.sleep(0.05)
+            assert worker.worker_id in conductor.core.workers
+            await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
+            assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)

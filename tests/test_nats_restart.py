@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 
 import numpy as np
 
 from duplexbus.models.echo import FRAME
 from duplexbus.shared.embedded import NatsServer
-from tests.helpers import WS, Stack, echo_bytes, pcm_file
+from tests.helpers import WS, Stack, echo_bytes, own_nats_server, pcm_file
 
 
 async def test_server_killed_and_restarted_mid_call() -> None:
-    store = tempfile.mkdtemp(prefix="duplexbus-nats-restart-")
-    server = NatsServer(store).start()
+    with own_nats_server("duplexbus-nats-restart-") as first:
+        await _outage_mid_call(first)
+
+
+async def _outage_mid_call(first: NatsServer) -> None:
+    server = first
     try:
         stack = Stack(server.url, {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 10.0})
         try:
@@ -32,7 +34,7 @@ async def test_server_killed_and_restarted_mid_call() -> None:
             for k in range(20, 30):  # appends during the outage wait in the frontend's client buffer
                 await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
                 await asyncio.sleep(0.02)
-            server = NatsServer(store, port=server.port).start()  # same port, same store
+            server = NatsServer(first.store_dir, port=first.port).start()  # same port, same store
             for k in range(30, 40):
                 await ws.send({"request_id": "outage", "append": [pcm_file(samples[k * FRAME : (k + 1) * FRAME])]})
                 await asyncio.sleep(0.02)
@@ -46,5 +48,4 @@ async def test_server_killed_and_restarted_mid_call() -> None:
         finally:
             stack.stop()
     finally:
-        server.stop()  # the restarted one, or the first if the test failed before the restart
-        shutil.rmtree(store, ignore_errors=True)
+        server.stop()  # the restarted one (the first, killed, is stopped with its folder)

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import tempfile
 import time
 
 from duplexbus.services.worker import engine as eng
 from duplexbus.services.worker.service import WorkerService
 from duplexbus.shared import bus, subjects, wire
 from duplexbus.shared.config import parse_config
-from duplexbus.shared.embedded import NatsServer
+from tests.helpers import own_nats_server
 
 
 async def test_messages_are_stored_in_order_and_then_runs_after_its_store() -> None:
@@ -77,42 +75,39 @@ async def test_a_worker_goes_on_stepping_while_a_done_waits_on_a_stopped_server(
     """SIGSTOP: the server keeps its connections but answers nothing for longer than a
     JetStream publish waits (5 s). Before, the step loop awaited the done's ack: its steps
     stopped, and the timeout then ended the worker."""
-    store = tempfile.mkdtemp(prefix="duplexbus-store-behind-")
-    server = NatsServer(store).start()
-    stop = asyncio.Event()
-    w = WorkerService(parse_config({"nats_url": server.url}), "echo", ["Talker"])
-    run = asyncio.create_task(w.run(stop))
-    try:
-        for _ in range(200):
-            if hasattr(w, "payloads") and w.nc is not None and w.nc.is_connected:
-                break
-            await asyncio.sleep(0.05)
-        await w._assign(wire.Assign(cid="c1", model="echo", partitions=["Talker"]))
-        assert "c1" in w.calls
-        assert server.proc is not None
-        os.kill(server.proc.pid, signal.SIGSTOP)
+    with own_nats_server("duplexbus-store-behind-") as server:
+        stop = asyncio.Event()
+        w = WorkerService(parse_config({"nats_url": server.url}), "echo", ["Talker"])
+        run = asyncio.create_task(w.run(stop))
         try:
-            w.runners["Talker"].engine.drop_call("c1")  # as the engine does when it emits the done
-            t0 = time.monotonic()
-            await w._carry_out([eng.PublishDone("c1", 0, {"frames": 0})], "Talker")
-            assert time.monotonic() - t0 < 0.5  # the step loop does not wait for the ack
-            assert len(w.ends) == 1
-            await asyncio.sleep(6)  # past the publish's own timeout: it fails, and is sent again
-            assert not run.done(), "the worker ended while the server was stopped"
-            assert "c1" in w.calls  # not let go before its done is stored
+            for _ in range(200):
+                if hasattr(w, "payloads") and w.nc is not None and w.nc.is_connected:
+                    break
+                await asyncio.sleep(0.05)
+            await w._assign(wire.Assign(cid="c1", model="echo", partitions=["Talker"]))
+            assert "c1" in w.calls
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                w.runners["Talker"].engine.drop_call("c1")  # as the engine does when it emits the done
+                t0 = time.monotonic()
+                await w._carry_out([eng.PublishDone("c1", 0, {"frames": 0})], "Talker")
+                assert time.monotonic() - t0 < 0.5  # the step loop does not wait for the ack
+                assert len(w.ends) == 1
+                await asyncio.sleep(6)  # past the publish's own timeout: it fails, and is sent again
+                assert not run.done(), "the worker ended while the server was stopped"
+                assert "c1" in w.calls  # not let go before its done is stored
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            for _ in range(200):
+                if "c1" not in w.calls:
+                    break
+                await asyncio.sleep(0.05)
+            assert "c1" not in w.calls and len(w.ends) == 0
+            assert w.ends.retries >= 1
+            assert w.js is not None
+            stored = await w.js.get_last_msg(subjects.STREAM, subjects.done("c1", "Talker"))
+            assert wire.decode_as(stored.data or b"", wire.Done).usage == {"frames": 0}
         finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
-        for _ in range(200):
-            if "c1" not in w.calls:
-                break
-            await asyncio.sleep(0.05)
-        assert "c1" not in w.calls and len(w.ends) == 0
-        assert w.ends.retries >= 1
-        assert w.js is not None
-        stored = await w.js.get_last_msg(subjects.STREAM, subjects.done("c1", "Talker"))
-        assert wire.decode_as(stored.data or b"", wire.Done).usage == {"frames": 0}
-    finally:
-        stop.set()
-        await asyncio.wait_for(run, 30)
-        server.stop()
-        shutil.rmtree(store, ignore_errors=True)
+            stop.set()
+            await asyncio.wait_for(run, 30)
