@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import wave
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -341,3 +343,16 @@ def own_nats_server(prefix: str) -> Iterator[NatsServer]:
     temporary folder that goes with it."""
     with tempfile.TemporaryDirectory(prefix=prefix) as store, NatsServer(store) as server:
         yield server
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:
+    """A WAV file of `samples` (each repeated on every channel); of any sample width, to test
+    refusals (a width other than 2 holds silence of the right length)."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        frames = np.repeat(np.asarray(samples, "<i2"), channels).tobytes()
+        w.writeframes(frames if width == 2 else bytes(len(samples) * channels * width))
+    return buf.getvalue()

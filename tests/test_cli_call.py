@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -11,16 +9,7 @@ import pytest
 
 from duplexbus.clients.call import pcm_file, read_wav, reply_audio
 from duplexbus.shared.audio import b64_pcm16, encode_wav, pcm16_from_b64
-
-
-def write_wav(path: Path, samples: bytes, rate: int, channels: int = 1, width: int = 2) -> None:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(width)
-        w.setframerate(rate)
-        w.writeframes(samples)
-    path.write_bytes(buf.getvalue())
+from tests.helpers import wav_bytes
 
 
 def test_reads_mono_16bit_16khz(tmp_path: Path) -> None:
@@ -43,7 +32,7 @@ def test_refuses_another_sample_rate(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("channels", "width", "expected"), [(2, 2, "1 channel"), (1, 1, "16-bit")])
 def test_refuses_stereo_and_8bit(tmp_path: Path, channels: int, width: int, expected: str) -> None:
     path = tmp_path / "x.wav"
-    write_wav(path, bytes(64), 16000, channels, width)
+    path.write_bytes(wav_bytes(np.zeros(32, dtype="<i2"), 16000, channels, width))
     with pytest.raises(SystemExit, match=expected):
         read_wav(str(path))
 

@@ -4,10 +4,8 @@ conductor, one echo worker and two frontends as processes on a real nats-server.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
-import wave
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +16,7 @@ import pytest
 
 from duplexbus.models.echo import FRAME
 from duplexbus.shared import subjects
-from tests.helpers import WS, Stack, echo_bytes, nothing_for, padded, pcm, pcm_file, running_stack
+from tests.helpers import WS, Stack, echo_bytes, nothing_for, padded, pcm, pcm_file, running_stack, wav_bytes
 
 MAX_MESSAGE_MB = 0.5
 MAX_INPUT_MB = 1.0
@@ -36,14 +34,7 @@ def samples(n: int, seed: int = 0) -> np.ndarray:
 
 
 def wav(x: np.ndarray, rate: int = 16000, channels: int = 1, width: int = 2) -> str:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(width)
-        w.setframerate(rate)
-        frames = np.repeat(np.asarray(x, "<i2"), channels).tobytes()
-        w.writeframes(frames if width == 2 else bytes(len(x) * channels * width))
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(wav_bytes(x, rate, channels, width)).decode()
 
 
 def is_error(rid: str | None, status: int | None = None) -> Any:
