@@ -32,8 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy -p duplexbus.shared -p duplexbus.services -p duplexbus.clients -p duplexbus.models -p duplexbus.cli -p duplexbus.supervisor
-	$(VENV)/bin/mypy bench tests
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/batching.py` finds `bench`
 
 from bench.stack import machine
-from duplexbus.models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition
-from duplexbus.shared.chunking import Chunk, Item
-from duplexbus.shared.model import CallInfo, StepInput
+from models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition
+from shared.sdk.chunking import Chunk, Item
+from shared.sdk.model import CallInfo, StepInput
 
 FRAMES_PER_SECOND_PER_CALL = 16_000 / FRAME  # 12.5
 

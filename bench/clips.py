@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from duplexbus.models.voice_assistant.audio import resample, to_pcm16
+from models.voice_assistant.audio import resample, to_pcm16
 
 CLIP_SEED = 20_240_601
 
@@ -19,7 +19,7 @@ def piper_clips(texts: Sequence[str], rate: int, seed: int = CLIP_SEED, gain: fl
     the texts said before it in this call: the same arguments give the same clips."""
     import onnxruntime
 
-    from duplexbus.models.voice_assistant.talker import load_voice
+    from models.voice_assistant.talker import load_voice
 
     onnxruntime.set_seed(seed)
     voice = load_voice()

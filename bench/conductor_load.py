@@ -17,8 +17,8 @@ import numpy as np
 import websockets
 
 from bench.stack import UpStack, is_final, machine
-from duplexbus.shared import subjects
-from duplexbus.shared.audio import b64_pcm16
+from shared.bus import subjects
+from shared.sdk.audio import b64_pcm16
 
 
 async def delivered(url: str) -> int:

@@ -28,10 +28,11 @@ import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench.stack import machine
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.config import parse_config
-from duplexbus.shared.embedded import NatsServer
-from duplexbus.shared.stats import percentile
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.bus.embedded import NatsServer
+from shared.runtime.config import parse_config
+from shared.runtime.stats import percentile
 
 ITEM = b"\x00" * 2560  # one 80 ms frame of 16 kHz PCM16
 

@@ -28,9 +28,9 @@ import msgspec
 import numpy as np
 
 from bench.stack import UpStack, machine
-from duplexbus.models.echo import FRAME
-from duplexbus.shared.audio import b64_pcm16
-from duplexbus.shared.stats import percentile
+from models.echo import FRAME
+from shared.runtime.stats import percentile
+from shared.sdk.audio import b64_pcm16
 
 PERIOD = 0.08
 WARMUP_FRAMES = 12  # the first second of each call (its opening and placement) is reported apart

@@ -20,8 +20,8 @@ import nats
 from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
-from duplexbus.shared import subjects
-from duplexbus.shared.embedded import free_port
+from shared.bus import subjects
+from shared.bus.embedded import free_port
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> int:

@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from bench.clips import piper_clips
 from bench.stack import machine
-from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE, VoiceAssistantModel
-from duplexbus.models.voice_assistant.audio import silence
-from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, word_error_rate
-from duplexbus.shared.chunking import Item
-from duplexbus.shared.model import CallInfo, Emission, Partition, StepInput
+from models.voice_assistant import FRAME, SAMPLE_RATE, VoiceAssistantModel
+from models.voice_assistant.audio import silence
+from models.voice_assistant.text import SAMPLE_SENTENCES, word_error_rate
+from shared.sdk.chunking import Item
+from shared.sdk.model import CallInfo, Emission, Partition, StepInput
 
 SENTENCES = [SAMPLE_SENTENCES[i] for i in (1, 2, 4, 3, 6, 7)]
 TICK = 0.02
@@ -93,7 +93,7 @@ def dialogue(turns: int, gap: float, seed: int) -> tuple[np.ndarray, list[str]]:
 
 
 def run(n_calls: int, audio: np.ndarray, said: list[str], parts: dict[str, Partition]) -> dict[str, Any]:
-    from duplexbus.services.worker.engine import LocalPipeline
+    from services.worker.engine import LocalPipeline
 
     clock = FakeClock()
     timed = {name: Timed(p) for name, p in parts.items()}

@@ -48,11 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from bench.clips import piper_clips
 from bench.stack import UpStack, is_final, machine
-from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
-from duplexbus.models.voice_assistant.audio import silence
-from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES
-from duplexbus.shared.audio import b64_pcm16
-from duplexbus.shared.stats import percentile
+from models.voice_assistant import FRAME, SAMPLE_RATE
+from models.voice_assistant.audio import silence
+from models.voice_assistant.text import SAMPLE_SENTENCES
+from shared.runtime.stats import percentile
+from shared.sdk.audio import b64_pcm16
 
 SENTENCES = [SAMPLE_SENTENCES[i] for i in (1, 2, 4, 3, 6, 7, 0, 5)]
 SEED = 20_240_601

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import websockets
 
-from duplexbus.shared.audio import WAV_ERRORS, b64_pcm16, encode_wav, pcm16_from_b64, pcm16_mono_mismatch
-from duplexbus.shared.audio import read_wav as parse_wav
+from shared.sdk.audio import WAV_ERRORS, b64_pcm16, encode_wav, pcm16_from_b64, pcm16_mono_mismatch
+from shared.sdk.audio import read_wav as parse_wav
 
 # Appends go as raw PCM (`chunk.pcm`), which the models read at their own rate:
 # 16 kHz mono 16-bit for every built-in model. A file at another rate would play

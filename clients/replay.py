@@ -10,8 +10,9 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.config import ServingConfig, load_config
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.runtime.config import ServingConfig, load_config
 
 
 async def read_call(nc: Client, cid: str, config: ServingConfig) -> AsyncIterator[tuple[str, wire.AnyMsg]]:

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from duplexbus.shared.config import ServingConfig, load_config
-from duplexbus.shared.errors import ConfigError
-from duplexbus.shared.service import install_stop_signals, setup_logging, tune_gc
+from shared.runtime.config import ServingConfig, load_config
+from shared.runtime.errors import ConfigError
+from shared.runtime.process import install_stop_signals, setup_logging, tune_gc
 
 
 def _config(args: argparse.Namespace) -> ServingConfig:
@@ -37,14 +37,14 @@ def _serve(run: Callable[[asyncio.Event], Awaitable[None]]) -> int:
 
 
 def cmd_conductor(args: argparse.Namespace) -> int:
-    from duplexbus.services.conductor.service import ConductorService
+    from services.conductor.service import ConductorService
 
     setup_logging("conductor")
     return _serve(ConductorService(_config(args)).run)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from duplexbus.services.worker.service import WorkerService
+    from services.worker.service import WorkerService
 
     setup_logging("worker")
     cfg = _config(args)
@@ -54,8 +54,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_frontend(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from duplexbus.services.frontend.app import create_app
-    from duplexbus.services.frontend.websocket import FrontendWebSocketProtocol
+    from services.frontend.app import create_app
+    from services.frontend.websocket import FrontendWebSocketProtocol
 
     setup_logging("frontend")
     cfg = _config(args)
@@ -79,8 +79,8 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from duplexbus.models.registry import served_model
     from duplexbus.supervisor import UpOptions, run_up
+    from models.registry import served_model
 
     cfg = _config(args)
     partitions = served_model(cfg.model).topology.partitions
@@ -103,7 +103,7 @@ def cmd_nats(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from duplexbus.shared.embedded import NatsServer
+    from shared.bus.embedded import NatsServer
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     with NatsServer(args.store, port=args.port) as server, contextlib.suppress(KeyboardInterrupt):
@@ -114,13 +114,13 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
 
 def cmd_call(args: argparse.Namespace) -> int:
-    from duplexbus.clients.call import run_call
+    from clients.call import run_call
 
     return asyncio.run(run_call(args))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from duplexbus.clients.replay import run_replay
+    from clients.replay import run_replay
 
     return asyncio.run(run_replay(args))
 

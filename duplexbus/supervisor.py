@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.embedded import NatsServer
+from shared.bus.embedded import NatsServer
+from shared.runtime.config import ServingConfig
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.2  # the supervision loop's pass
@@ -117,7 +117,8 @@ def wait_workers(
     """Until `expected` workers heartbeat (their models load after the frontend is up), or `stopping()`."""
     import asyncio
 
-    from duplexbus.shared import bus, subjects
+    from shared.bus import nats_io as bus
+    from shared.bus import subjects
 
     async def poll() -> bool:
         deadline = time.monotonic() + timeout

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from duplexbus.shared.audio import b64_pcm16
-from duplexbus.shared.chunking import CatchUpChunkPolicy, Item
-from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
-from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from shared.sdk.audio import b64_pcm16
+from shared.sdk.chunking import CatchUpChunkPolicy, Item
+from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 SAMPLE_RATE = 16_000
 FRAME = 1280  # 80 ms

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-from duplexbus.shared.errors import BadRequest, ConfigError
-from duplexbus.shared.model import Model
+from shared.runtime.errors import BadRequest, ConfigError
+from shared.sdk.model import Model
 
 MODELS: dict[str, str] = {
-    "echo": "duplexbus.models.echo:EchoModel",
-    "tiny_duplex": "duplexbus.models.tiny_duplex:TinyDuplexModel",
-    "voice_assistant": "duplexbus.models.voice_assistant:VoiceAssistantModel",
+    "echo": "models.echo:EchoModel",
+    "tiny_duplex": "models.tiny_duplex:TinyDuplexModel",
+    "voice_assistant": "models.voice_assistant:VoiceAssistantModel",
 }
 
 _cache: dict[str, Model] = {}

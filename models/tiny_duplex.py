@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from duplexbus.shared.chunking import FixedChunkPolicy
-from duplexbus.shared.errors import Overloaded
-from duplexbus.shared.model import CallInfo, Emission, Model, Output, Partition, StepInput
-from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from shared.runtime.errors import Overloaded
+from shared.sdk.chunking import FixedChunkPolicy
+from shared.sdk.model import CallInfo, Emission, Model, Output, Partition, StepInput
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 if TYPE_CHECKING:
     import torch

@@ -28,11 +28,12 @@ import yaml
 from nats.js.errors import KeyNotFoundError
 
 from bench.stack import bucket_keys, is_final
-from duplexbus.models.echo import FRAME
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.audio import b64_pcm16
-from duplexbus.shared.config import parse_config
-from duplexbus.shared.embedded import NatsServer, free_port
+from models.echo import FRAME
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.bus.embedded import NatsServer, free_port
+from shared.runtime.config import parse_config
+from shared.sdk.audio import b64_pcm16
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from duplexbus.shared.chunking import CatchUpChunkPolicy
-from duplexbus.shared.model import CallInfo, Emission, Model, Output, Partition, StepInput
-from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from shared.sdk.chunking import CatchUpChunkPolicy
+from shared.sdk.model import CallInfo, Emission, Model, Output, Partition, StepInput
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 from tests.helpers import REPO, Stack
 
 AUDIO_RATE, AUDIO_FRAME, AUDIO_MAX = 16_000, 1280, 100
@@ -94,7 +94,7 @@ class DuoModel(Model):
 
 
 def register() -> None:
-    from duplexbus.models import registry
+    from models import registry
 
     registry.MODELS.setdefault("duo", "tests.protocol_model:DuoModel")
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from bench.conductor_load import delivered
-from duplexbus.models.echo import FRAME
-from duplexbus.shared import subjects
-from duplexbus.shared.audio import encode_wav
+from models.echo import FRAME
+from shared.bus import subjects
+from shared.sdk.audio import encode_wav
 from tests.helpers import WS, Stack, echo_bytes, padded, pcm_file, running_stack
 
 

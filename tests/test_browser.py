@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from bench.clips import piper_clips
-from duplexbus.models.voice_assistant import TALKER_LEAD_ENV
-from duplexbus.shared.audio import encode_wav
+from models.voice_assistant import TALKER_LEAD_ENV
+from shared.sdk.audio import encode_wav
 from tests.helpers import Stack, running_stack
 
 CHROMIUM = "/usr/bin/chromium"
@@ -56,7 +56,7 @@ TALKER_LEAD_S = 1.0
 
 def mic_wav(path: Path) -> float:
     """1.5 s of silence (the page connecting), then the turns. Returns its length in seconds."""
-    from duplexbus.models.voice_assistant.audio import silence
+    from models.voice_assistant.audio import silence
 
     parts = [silence(1.5, MIC_RATE)]
     for clip, (_, gap) in zip(piper_clips([text for text, _ in TURNS], MIC_RATE), TURNS, strict=True):

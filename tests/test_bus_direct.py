@@ -8,7 +8,7 @@ import asyncio
 import nats
 from nats.aio.msg import Msg
 
-from duplexbus.shared import bus
+from shared.bus import nats_io as bus
 
 
 async def test_direct_subscription_delivers_in_order_and_survives_a_bad_message(nats_url: str) -> None:

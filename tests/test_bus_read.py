@@ -3,7 +3,8 @@ from a point (a repair or recovery reads on from where the last read ended)."""
 
 from __future__ import annotations
 
-from duplexbus.shared import bus, subjects
+from shared.bus import nats_io as bus
+from shared.bus import subjects
 from tests.helpers import bus_client
 
 

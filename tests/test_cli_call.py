@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from duplexbus.clients.call import pcm_file, read_wav, reply_audio
-from duplexbus.shared.audio import b64_pcm16, encode_wav, pcm16_from_b64
+from clients.call import pcm_file, read_wav, reply_audio
+from shared.sdk.audio import b64_pcm16, encode_wav, pcm16_from_b64
 from tests.helpers import wav_bytes
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from duplexbus.cli import main
-from duplexbus.shared.embedded import free_port
+from shared.bus.embedded import free_port
 
 
 @pytest.mark.parametrize("argv", [["up"], ["worker"], ["frontend"]])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from duplexbus.shared.config import ServingConfig
 from duplexbus.supervisor import Child, UpOptions, run_up, tend, wait_http, wait_workers
+from shared.runtime.config import ServingConfig
 
 
 def exited_child(tmp_path: Path) -> Child:

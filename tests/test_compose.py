@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from duplexbus.models.registry import get_model
-from duplexbus.shared.config import ServingConfig
+from models.registry import get_model
+from shared.runtime.config import ServingConfig
 from tests.helpers import REPO
 
 COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from duplexbus.services.conductor import core
-from duplexbus.shared import wire
-from duplexbus.shared.config import parse_config
+from services.conductor import core
+from shared.bus import wire
+from shared.runtime.config import parse_config
 
 PARTS = ["Encoder", "Talker"]
 

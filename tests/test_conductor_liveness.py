@@ -9,11 +9,11 @@ import types
 
 import pytest
 
-from duplexbus.services.conductor import liveness
-from duplexbus.services.conductor import service as conductor_service
-from duplexbus.services.conductor.liveness import Liveness
-from duplexbus.services.worker.service import WorkerService
-from duplexbus.shared.config import parse_config
+from services.conductor import liveness
+from services.conductor import service as conductor_service
+from services.conductor.liveness import Liveness
+from services.worker.service import WorkerService
+from shared.runtime.config import parse_config
 from tests.helpers import own_nats_server
 
 

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from duplexbus.models.echo import EchoModel
-from duplexbus.services.worker.engine import (
+from models.echo import EchoModel
+from services.worker.engine import (
     Engine,
     FailCall,
     LocalPipeline,
@@ -17,10 +17,10 @@ from duplexbus.services.worker.engine import (
     PublishEdgeItem,
     PublishOutput,
 )
-from duplexbus.shared.chunking import CatchUpChunkPolicy, FixedChunkPolicy, Item, StreamBuffer
-from duplexbus.shared.errors import LimitExceeded, ProtocolError
-from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
-from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from shared.runtime.errors import LimitExceeded, ProtocolError
+from shared.sdk.chunking import CatchUpChunkPolicy, FixedChunkPolicy, Item, StreamBuffer
+from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 
 def item(v: int) -> Item:
@@ -243,7 +243,7 @@ def test_calls_without_input_are_stepped_at_most_every_tick() -> None:
 
 
 def test_echo_batch_energy_matches_one_frame_at_a_time() -> None:
-    from duplexbus.models.echo import frame_rms, frames_rms
+    from models.echo import frame_rms, frames_rms
 
     rng = np.random.default_rng(3)
     same = [rng.integers(-3000, 3000, 1280).astype("<i2") for _ in range(5)]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from duplexbus.models.echo import FRAME
+from models.echo import FRAME
 from tests.helpers import WS, Stack, call_records, echo_bytes, pcm_file
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from duplexbus.models.echo import EchoModel
-from duplexbus.shared.config import (
+from models.echo import EchoModel
+from shared.runtime.config import (
     RetentionConfig,
     ServingConfig,
     StreamConfig,
@@ -22,7 +22,7 @@ from duplexbus.shared.config import (
     load_config,
     parse_config,
 )
-from duplexbus.shared.errors import ConfigError
+from shared.runtime.errors import ConfigError
 from tests.helpers import REPO
 from tests.protocol_model import AUDIO_MAX, DuoModel, argv
 
@@ -68,14 +68,18 @@ def test_parse_config_names_the_key(data: dict[str, Any], key: str) -> None:
 
 
 def test_stream_limits_may_lower_never_raise_or_remove() -> None:
-    duo = DuoModel().topology
-    assert parse_config({}).stream_limits(duo) == {"audio_in": AUDIO_MAX, "aux_in": 40, "text_in": 4}
-    lowered = parse_config({"client_streams": {"audio_in": {"max_items": 8}}}).stream_limits(duo)
+    duo = DuoModel()
+    assert duo.topology.stream_limits(parse_config({}).max_items_overrides) == {"audio_in": AUDIO_MAX, "aux_in": 40, "text_in": 4}
+    lowered = duo.topology.stream_limits(parse_config({"client_streams": {"audio_in": {"max_items": 8}}}).max_items_overrides)
     assert lowered["audio_in"] == 8
     # echo declares no bound: the config may set one, or say none.
-    echo = EchoModel().topology
-    assert parse_config({"client_streams": {"audio_in": {"max_items": 50}}}).stream_limits(echo) == {"audio_in": 50}
-    assert parse_config({"client_streams": {"audio_in": {"max_items": None}}}).stream_limits(echo) == {"audio_in": None}
+    echo = EchoModel()
+    assert echo.topology.stream_limits(parse_config({"client_streams": {"audio_in": {"max_items": 50}}}).max_items_overrides) == {
+        "audio_in": 50
+    }
+    assert echo.topology.stream_limits(
+        parse_config({"client_streams": {"audio_in": {"max_items": None}}}).max_items_overrides
+    ) == {"audio_in": None}
     for streams, key in [
         ({"audio_in": {"max_items": AUDIO_MAX + 1}}, "client_streams.audio_in.max_items"),
         ({"audio_in": {"max_items": None}}, "client_streams.audio_in.max_items"),
@@ -83,7 +87,7 @@ def test_stream_limits_may_lower_never_raise_or_remove() -> None:
         ({"nope": {"max_items": 1}}, "client_streams.nope"),
     ]:
         with pytest.raises(ConfigError) as e:
-            parse_config({"client_streams": streams}).stream_limits(duo)
+            duo.topology.stream_limits(parse_config({"client_streams": streams}).max_items_overrides)
         assert e.value.key == key
 
 

@@ -9,12 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from duplexbus.models.echo import FRAME, EchoModel
-from duplexbus.services.frontend.calls import CallInput, InputState
-from duplexbus.services.frontend.protocol import AbortCall, Append, EndInput, Opening, ParseError, parse_message
-from duplexbus.shared.audio import Framer, encode_wav
-from duplexbus.shared.errors import BadRequest, LimitExceeded
-from duplexbus.shared.model import ClientFile, ClientInput
+from models.echo import FRAME, EchoModel
+from services.frontend.calls import CallInput, InputState
+from services.frontend.protocol import AbortCall, Append, EndInput, Opening, ParseError, parse_message
+from shared.runtime.errors import BadRequest, LimitExceeded
+from shared.sdk.audio import Framer, encode_wav
+from shared.sdk.model import ClientFile, ClientInput
 from tests.protocol_model import AUX_FRAME, DuoModel
 
 
@@ -325,7 +325,7 @@ FAST_OR_NOT = [
 def test_the_fast_append_path_reads_exactly_what_the_general_path_reads(msg: dict[str, object], fast: bool) -> None:
     """A plain audio append skips the general parser; anything else (refusals included) goes
     through it, so every answer is the general path's."""
-    from duplexbus.services.frontend import protocol
+    from services.frontend import protocol
 
     text = json.dumps(msg)
     assert (protocol._fast_append(text) is not None) is fast

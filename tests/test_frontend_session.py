@@ -11,11 +11,11 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from duplexbus.services.frontend.app import SocketSession
-from duplexbus.services.frontend.calls import CallInput, InputState
-from duplexbus.services.frontend.service import Call, FrontendService
-from duplexbus.services.frontend.websocket import SEND_NOW
-from duplexbus.shared.config import parse_config
+from services.frontend.app import SocketSession
+from services.frontend.calls import CallInput, InputState
+from services.frontend.service import Call, FrontendService
+from services.frontend.websocket import SEND_NOW
+from shared.runtime.config import parse_config
 
 
 class FakeWS:

@@ -15,7 +15,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import CLIENT
 from websockets.protocol import Protocol as WsProtocol
 
-from duplexbus.services.frontend.websocket import MAX_INBOUND, SEND_NOW, FrontendWebSocketProtocol
+from services.frontend.websocket import MAX_INBOUND, SEND_NOW, FrontendWebSocketProtocol
 
 HANDSHAKE = (
     b"GET /generate/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"

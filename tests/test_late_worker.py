@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from duplexbus.models.echo import FRAME
+from models.echo import FRAME
 from tests.helpers import WS, echo_bytes, nothing_for, pcm_file, running_stack
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from duplexbus.shared.audio import encode_wav
-from duplexbus.shared.embedded import free_port
+from shared.bus.embedded import free_port
+from shared.sdk.audio import encode_wav
 from tests.helpers import REPO
 
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("silero_vad")
 
-from duplexbus.models.voice_assistant.listener import WINDOW, Listener
-from duplexbus.shared.model import CallInfo, EdgeItem, Emission
+from models.voice_assistant.listener import WINDOW, Listener
+from shared.sdk.model import CallInfo, EdgeItem, Emission
 
 
 def turn_audio(preroll_s: float, silent_windows: int) -> np.ndarray:

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("pocketsphinx")
 
-from duplexbus.models.voice_assistant.recognizer import Recognizer
-from duplexbus.shared.chunking import Chunk, Item
-from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Output, StepInput
+from models.voice_assistant.recognizer import Recognizer
+from shared.sdk.chunking import Chunk, Item
+from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, StepInput
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from duplexbus.models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition, frame_to_float
-from duplexbus.shared.chunking import Chunk, Item
-from duplexbus.shared.model import CallInfo, Output, StepInput
+from models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition, frame_to_float
+from shared.sdk.chunking import Chunk, Item
+from shared.sdk.model import CallInfo, Output, StepInput
 
 SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab": 64, "window": 8, "max_calls": 6, "device": "cpu"}
 

@@ -6,8 +6,8 @@ import asyncio
 
 import numpy as np
 
-from duplexbus.models.echo import FRAME
-from duplexbus.shared.embedded import NatsServer
+from models.echo import FRAME
+from shared.bus.embedded import NatsServer
 from tests.helpers import WS, Stack, echo_bytes, own_nats_server, pcm_file
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
-from duplexbus.shared import subjects
-from duplexbus.shared.config import parse_config
+from shared.bus import subjects
+from shared.runtime.config import parse_config
 from tests.helpers import WS, Stack, bus_client, echo_bytes, pcm_file, running_stack
 
 
@@ -52,8 +52,8 @@ async def test_opening_larger_than_max_payload_still_runs(stack: Stack, ws: WS) 
 
 def test_large_kwargs_stay_in_the_open_message() -> None:
     """Kwargs too large for a call record or an assignment: workers read them from the open."""
-    from duplexbus.services.conductor import core
-    from duplexbus.shared import wire
+    from services.conductor import core
+    from shared.bus import wire
 
     c = core.Conductor(parse_config({}))
     hb = wire.WorkerHeartbeat(worker_id="w", model="echo", partitions=["E"], model_partitions=["E"], capacity=4, load=0, ts=0)

@@ -14,8 +14,8 @@ import nats
 import numpy as np
 import pytest
 
-from duplexbus.models.echo import FRAME
-from duplexbus.shared import subjects
+from models.echo import FRAME
+from shared.bus import subjects
 from tests.helpers import WS, Stack, echo_bytes, nothing_for, padded, pcm, pcm_file, running_stack, wav_bytes
 
 MAX_MESSAGE_MB = 0.5

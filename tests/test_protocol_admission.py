@@ -14,10 +14,10 @@ import nats
 import numpy as np
 import pytest
 
-from duplexbus.models.echo import FRAME
-from duplexbus.services.conductor import core
-from duplexbus.shared import subjects, wire
-from duplexbus.shared.config import parse_config
+from models.echo import FRAME
+from services.conductor import core
+from shared.bus import subjects, wire
+from shared.runtime.config import parse_config
 from tests.helpers import WS, Stack, call_records, echo_bytes, nothing_for, pcm_file, running_stack
 
 CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}

@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from duplexbus.services.worker.engine import Engine
-from duplexbus.services.worker.service import WorkerService
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.chunking import FixedChunkPolicy, Item, StreamBuffer
-from duplexbus.shared.config import parse_config
-from duplexbus.shared.model import CallInfo, Emission, Partition, StepInput
-from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from services.worker.engine import Engine
+from services.worker.service import WorkerService
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.runtime.config import parse_config
+from shared.sdk.chunking import FixedChunkPolicy, Item, StreamBuffer
+from shared.sdk.model import CallInfo, Emission, Partition, StepInput
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 
 def test_buffer_reports_the_first_missing_item() -> None:
@@ -160,9 +161,9 @@ async def test_worker_reads_a_lost_end_and_last_item_from_the_stream(nats_url: s
 
 
 async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> None:
-    from duplexbus.services.frontend.protocol import Append, EndInput, Opening
-    from duplexbus.services.frontend.service import FrontendService
-    from duplexbus.shared.model import ClientFile, ClientInput
+    from services.frontend.protocol import Append, EndInput, Opening
+    from services.frontend.service import FrontendService
+    from shared.sdk.model import ClientFile, ClientInput
     from tests.helpers import Stack
 
     stack = Stack(nats_url, {"model": "echo"})

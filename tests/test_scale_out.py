@@ -18,8 +18,8 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench.stack import free_ports
-from duplexbus.models.echo import FRAME
-from duplexbus.shared import subjects, wire
+from models.echo import FRAME
+from shared.bus import subjects, wire
 from tests.helpers import WS, echo_bytes, pcm_file
 
 

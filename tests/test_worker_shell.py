@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from duplexbus.services.worker.service import WorkerService
-from duplexbus.shared.config import parse_config
+from services.worker.service import WorkerService
+from shared.runtime.config import parse_config
 
 
 def test_worker_capacity_is_the_smallest_partition_bound() -> None:
@@ -25,7 +25,7 @@ def test_unknown_partition_is_refused_at_start() -> None:
 async def test_a_partition_added_during_a_catch_up_read_gets_its_input_read_too() -> None:
     import asyncio
 
-    from duplexbus.services.worker.service import _Assigned
+    from services.worker.service import _Assigned
 
     w = WorkerService(parse_config({}), "echo")
     reads: list[list[str]] = []

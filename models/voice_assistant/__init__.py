@@ -28,10 +28,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from duplexbus.shared.chunking import CatchUpChunkPolicy
-from duplexbus.shared.errors import ConfigError
-from duplexbus.shared.model import Model, Partition
-from duplexbus.shared.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from shared.runtime.errors import ConfigError
+from shared.sdk.chunking import CatchUpChunkPolicy
+from shared.sdk.model import Model, Partition
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 SAMPLE_RATE = 16_000
 FRAME = 1280  # samples per client item: 80 ms at 16 kHz
@@ -102,15 +102,15 @@ class VoiceAssistantModel(Model):
 
     def create_partition(self, name: str) -> Partition:
         if name == "Listener":
-            from duplexbus.models.voice_assistant.listener import Listener
+            from models.voice_assistant.listener import Listener
 
             return Listener(**self.listener_options)
         if name == "Recognizer":
-            from duplexbus.models.voice_assistant.recognizer import Recognizer
+            from models.voice_assistant.recognizer import Recognizer
 
             return Recognizer(**self.recognizer_options)
         if name == "Talker":
-            from duplexbus.models.voice_assistant.talker import CHUNK_S, Talker
+            from models.voice_assistant.talker import CHUNK_S, Talker
 
             options = dict(self.talker_options)
             if "lead_s" not in options and (lead := talker_lead_from_env(options.get("chunk_s", CHUNK_S))) is not None:

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from duplexbus.shared.chunking import Item
-from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
+from shared.sdk.chunking import Item
+from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
 
 SAMPLE_RATE = 16_000
 WINDOW = 512  # silero-vad window at 16 kHz (32 ms)

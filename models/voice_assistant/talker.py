@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from duplexbus.models.voice_assistant.text import reply_text, split_pieces
-from duplexbus.shared.audio import b64_pcm16
-from duplexbus.shared.model import CallInfo, Emission, Output, Partition, StepInput
+from models.voice_assistant.text import reply_text, split_pieces
+from shared.sdk.audio import b64_pcm16
+from shared.sdk.model import CallInfo, Emission, Output, Partition, StepInput
 
 log = logging.getLogger(__name__)
 

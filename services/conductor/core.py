@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 
-from duplexbus.shared import wire
-from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.states import checked
+from shared.bus import wire
+from shared.runtime.config import ServingConfig
+from shared.runtime.states import checked
 
 KWARGS_INLINE_MAX = 64 * 1024  # larger model_kwargs are read by workers from the call's open message
 

@@ -21,12 +21,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
-from duplexbus.services.conductor import core
-from duplexbus.services.conductor.liveness import Liveness
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.errors import DuplexError
-from duplexbus.shared.service import TaskSet
+from services.conductor import core
+from services.conductor.liveness import Liveness
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.runtime.config import ServingConfig
+from shared.runtime.errors import DuplexError
+from shared.runtime.process import TaskSet
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from duplexbus.services.frontend.calls import InputState
-from duplexbus.services.frontend.protocol import (
+from services.frontend.calls import InputState
+from services.frontend.protocol import (
     AbortCall,
     Append,
     ClientMessage,
@@ -28,10 +28,10 @@ from duplexbus.services.frontend.protocol import (
     parse_message,
     valid_request_id,
 )
-from duplexbus.services.frontend.service import Call, FrontendService, Reply, to_json
-from duplexbus.services.frontend.websocket import DRAIN, SEND_NOW
-from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.errors import Aborted, Conflict, DuplexError, LimitExceeded, Overloaded, ProtocolError, UnknownCall
+from services.frontend.service import Call, FrontendService, Reply, to_json
+from services.frontend.websocket import DRAIN, SEND_NOW
+from shared.runtime.config import ServingConfig
+from shared.runtime.errors import Aborted, Conflict, DuplexError, LimitExceeded, Overloaded, ProtocolError, UnknownCall
 
 log = logging.getLogger(__name__)
 

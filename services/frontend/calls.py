@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from duplexbus.shared.audio import Framer
-from duplexbus.shared.chunking import Item
-from duplexbus.shared.errors import BadRequest, DuplexError, LimitExceeded
-from duplexbus.shared.model import ClientInput, Model, StreamInput
+from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded
+from shared.sdk.audio import Framer
+from shared.sdk.chunking import Item
+from shared.sdk.model import ClientInput, Model, StreamInput
 
 
 class InputState(enum.Enum):

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import msgspec
 import pybase64
 
-from duplexbus.shared.errors import BadRequest, LimitExceeded, ProtocolError
-from duplexbus.shared.model import ClientFile, ClientInput
+from shared.runtime.errors import BadRequest, LimitExceeded, ProtocolError
+from shared.sdk.model import ClientFile, ClientInput
 
 _json_decode = msgspec.json.Decoder().decode
 

@@ -22,20 +22,21 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from duplexbus.models.registry import get_model, served_model
-from duplexbus.services.frontend.calls import CallInput, InputState, Prepared
-from duplexbus.services.frontend.protocol import Append, EndInput, Opening
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.errors import (
+from models.registry import get_model, served_model
+from services.frontend.calls import CallInput, InputState, Prepared
+from services.frontend.protocol import Append, EndInput, Opening
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.runtime.config import ServingConfig
+from shared.runtime.errors import (
     CallTimeout,
     Conflict,
     DuplexError,
     Overloaded,
     ProtocolError,
 )
-from duplexbus.shared.model import Model
-from duplexbus.shared.service import TaskSet, delete_quietly, every, heartbeat
+from shared.runtime.process import TaskSet, delete_quietly, every, heartbeat
+from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class FrontendService:
         if name not in self._limits:
             # Only the served model's limits come from the config's client_streams.
             self._limits[name] = (
-                self.config.stream_limits(m.topology)
+                m.topology.stream_limits(self.config.max_items_overrides)
                 if name == self.default_model
                 else {e: c.limits.max_items if c.limits else None for e, c in m.topology.client_edges().items()}
             )

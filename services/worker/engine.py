@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from duplexbus.shared.chunking import Chunk, Item, StreamBuffer
-from duplexbus.shared.errors import DuplexError, LimitExceeded, ProtocolError
-from duplexbus.shared.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
-from duplexbus.shared.states import checked
-from duplexbus.shared.topology import PartitionTopology
+from shared.runtime.errors import DuplexError, LimitExceeded, ProtocolError
+from shared.runtime.states import checked
+from shared.sdk.chunking import Chunk, Item, StreamBuffer
+from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
+from shared.sdk.topology import PartitionTopology
 
 
 class CallState(enum.Enum):

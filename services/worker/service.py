@@ -24,14 +24,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from duplexbus.models.registry import served_model
-from duplexbus.services.worker import engine as eng
-from duplexbus.shared import bus, subjects, wire
-from duplexbus.shared.config import ServingConfig
-from duplexbus.shared.errors import DuplexError, Overloaded, WorkerFailed
-from duplexbus.shared.model import StepInput
-from duplexbus.shared.service import TaskSet, delete_quietly, heartbeat
-from duplexbus.shared.stats import Reservoir
+from models.registry import served_model
+from services.worker import engine as eng
+from shared.bus import nats_io as bus
+from shared.bus import subjects, wire
+from shared.runtime.config import ServingConfig
+from shared.runtime.errors import DuplexError, Overloaded, WorkerFailed
+from shared.runtime.process import TaskSet, delete_quietly, heartbeat
+from shared.runtime.stats import Reservoir
+from shared.sdk.model import StepInput
 
 log = logging.getLogger(__name__)
 

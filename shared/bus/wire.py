@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from duplexbus.shared.chunking import Item
-from duplexbus.shared.errors import ProtocolError
+from shared.runtime.errors import ProtocolError
+from shared.sdk.chunking import Item
 
 VERSION = 1
 _T = TypeVar("_T", bound="Msg")

@@ -9,7 +9,7 @@ import wave
 import numpy as np
 import pybase64
 
-from duplexbus.shared.errors import BadRequest
+from shared.runtime.errors import BadRequest
 
 
 def decode_audio_file(name: str, data: bytes, sample_rate: int) -> np.ndarray:

@@ -9,8 +9,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from duplexbus.shared.errors import ConfigError
-from duplexbus.shared.topology import PartitionTopology
+from shared.runtime.errors import ConfigError
 
 
 class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,26 +81,12 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if s.max_items is not None and s.max_items < 1:
                 raise ConfigError(f"client_streams.{edge}.max_items", f"must be >= 1, got {s.max_items}")
 
-    def stream_limits(self, topology: PartitionTopology) -> dict[str, int | None]:
-        """Effective max_items per client edge: the config may lower a model's bound, never raise or remove it."""
-        edges = topology.client_edges()
-        out: dict[str, int | None] = {}
-        for edge, conn in edges.items():
-            assert conn.limits is not None
-            out[edge] = conn.limits.max_items
-        for edge, s in self.client_streams.items():
-            key = f"client_streams.{edge}.max_items"
-            if edge not in edges:
-                raise ConfigError(f"client_streams.{edge}", f"the model has no client stream {edge!r}")
-            model_max = out[edge]
-            if s.max_items is None:
-                if model_max is not None:
-                    raise ConfigError(key, f"cannot remove the model's bound of {model_max}")
-                continue
-            if model_max is not None and s.max_items > model_max:
-                raise ConfigError(key, f"{s.max_items} raises the model's bound of {model_max}")
-            out[edge] = s.max_items
-        return out
+    @property
+    def max_items_overrides(self) -> dict[str, int | None]:
+        """client_streams as edge -> max_items (None: the key is there and says "no bound").
+        The model's topology applies them (`PartitionTopology.stream_limits`), which may lower
+        a model's bound, never raise or remove it."""
+        return {edge: s.max_items for edge, s in self.client_streams.items()}
 
     @property
     def max_call_input_bytes(self) -> int:

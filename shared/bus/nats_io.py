@@ -30,8 +30,8 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
-from duplexbus.shared import subjects
-from duplexbus.shared.config import ServingConfig
+from shared.bus import subjects
+from shared.runtime.config import ServingConfig
 
 log = logging.getLogger(__name__)
 

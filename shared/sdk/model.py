@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from duplexbus.shared.audio import decode_audio_file
-from duplexbus.shared.chunking import Chunk, Item
-from duplexbus.shared.errors import BadRequest
-from duplexbus.shared.topology import Connection, PartitionTopology
+from shared.runtime.errors import BadRequest
+from shared.sdk.audio import decode_audio_file
+from shared.sdk.chunking import Chunk, Item
+from shared.sdk.topology import Connection, PartitionTopology
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from duplexbus.shared.errors import LimitExceeded, ProtocolError
+from shared.runtime.errors import LimitExceeded, ProtocolError
 
 
 @dataclass

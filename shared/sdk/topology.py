@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from shared.runtime.errors import ConfigError
+
 if TYPE_CHECKING:
-    from duplexbus.shared.chunking import ChunkPolicy
+    from shared.sdk.chunking import ChunkPolicy
 
 CLIENT = "__client__"
 """Reserved producer name: the client, not a partition."""
@@ -77,3 +79,24 @@ class PartitionTopology:
 
     def outputs_of(self, partition: str) -> list[Connection]:
         return [c for c in self.connections if c.from_partition == partition]
+
+    def stream_limits(self, overrides: Mapping[str, int | None]) -> dict[str, int | None]:
+        """Effective max_items per client edge, with the serving config's `client_streams`
+        (edge -> max_items) applied: they may lower a model's bound, never raise or remove it."""
+        out: dict[str, int | None] = {}
+        for edge, conn in self.client_edges().items():
+            assert conn.limits is not None
+            out[edge] = conn.limits.max_items
+        for edge, max_items in overrides.items():
+            key = f"client_streams.{edge}.max_items"
+            if edge not in out:
+                raise ConfigError(f"client_streams.{edge}", f"the model has no client stream {edge!r}")
+            model_max = out[edge]
+            if max_items is None:
+                if model_max is not None:
+                    raise ConfigError(key, f"cannot remove the model's bound of {model_max}")
+                continue
+            if model_max is not None and max_items > model_max:
+                raise ConfigError(key, f"{max_items} raises the model's bound of {model_max}")
+            out[edge] = max_items
+        return out

@@ -1,0 +1,1 @@
+"""The process runtime: config, errors, state guards, stats, process helpers."""

@@ -1,0 +1,1 @@
+"""The model SDK: what a model author reads (model API, topology, chunk policies, audio)."""
