@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.frontend.outbox import Outbox
+from services.frontend.outbox import MESSAGE_COST, Outbox
 from services.frontend.relay import GRACE_S, RECOVER_S, OutputRelay
 
 
@@ -81,7 +81,7 @@ def test_a_fin_gives_up_on_missing_outputs_only_after_a_while_without_progress()
 
 async def test_a_direct_outbox_writes_json_at_once_and_ignores_a_gone_connection() -> None:
     written: list[bytes] = []
-    box = Outbox(write=written.append)
+    box = Outbox(written.append)
     box.send({"request_id": "r", "x": 1})
     box.send(b'{"raw":true}')
     assert written == [b'{"request_id":"r","x":1}', b'{"raw":true}']
@@ -89,15 +89,16 @@ async def test_a_direct_outbox_writes_json_at_once_and_ignores_a_gone_connection
     def gone(_: bytes) -> None:
         raise ConnectionResetError
 
-    Outbox(write=gone).send({"x": 1})  # no exception: the connection's calls are being aborted
+    Outbox(gone).send({"x": 1})  # no exception: the connection's calls are being aborted
 
 
 async def test_a_queued_outbox_is_bounded_and_says_so_once() -> None:
     overflows: list[int] = []
-    box = Outbox(limit=3, on_overflow=lambda: overflows.append(len(box)))
+    one = len(b'{"i":0}') + MESSAGE_COST
+    box = Outbox(pause_at=(3 * one + 1) // 2, on_overflow=lambda: overflows.append(len(box)))
     for i in range(5):
         box.send({"i": i})
-    assert overflows == [3] and box.overflowed and len(box) == 3  # past the bound nothing is taken
+    assert overflows == [3] and box.overflowed and len(box) == 3  # past twice pause_at nothing is taken
     box.last({"error": "not reading"})  # the overflow's own last line
     got = [await box.get() for _ in range(5)]
     assert got == [{"i": 0}, {"i": 1}, {"i": 2}, {"error": "not reading"}, None]

@@ -23,7 +23,7 @@ class FakeWS:
 
     def __init__(self) -> None:
         self.sent: list[bytes] = []
-        self.outbox = Outbox(write=self.sent.append)
+        self.outbox = Outbox(self.sent.append)
 
 
 async def test_an_ended_call_is_forgotten_by_its_socket() -> None:

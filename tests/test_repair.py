@@ -192,6 +192,12 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
                 if isinstance(msg, dict) and ("finish" in msg or "error" in msg):
                     finished.set()
 
+            def has_room(self) -> bool:
+                return True
+
+            def when_room(self, key: str, then: Any) -> None:
+                pass
+
         samples = np.arange(10 * 1280, dtype=np.int64).astype("<i2")
         call = await fe.open_call(Opening("lossy", "echo", ClientInput()), Sink())
         await fe.append(call, Append("lossy", ClientInput(files=[ClientFile("a.pcm", samples.tobytes())])))

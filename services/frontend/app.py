@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,14 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from services.frontend.outbox import Outbox, to_json
+from services.frontend.limits import Guard, Limits, Load, Shed
+from services.frontend.outbox import Outbox, Outlet, to_json
 from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.service import Call, FrontendService
 from services.frontend.session import SocketSession, error_body
-from services.frontend.websocket import DRAIN, SEND_NOW
+from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import DuplexError, LimitExceeded, Overloaded, ProtocolError
+from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +48,43 @@ def error_response(rid: str | None, err: DuplexError) -> JSONResponse:
 class OneShot:
     """`POST /generate`: one opening as JSON, run as a one-shot, its messages as NDJSON lines.
 
-    Its messages wait in an `Outbox` for the response to send them. A client that leaves
-    ends the call; one that does not read gets, past the outbox's bound, a last 503 line
-    and its call ends.
+    Its messages wait in an `Outbox` for the response to send them; outputs wait in the
+    stream while the client is slower than they come. A client that leaves ends the call.
+    What it holds (the body being read, messages waiting) counts against the frontend's
+    memory budget (`limits.Guard`, which may end it), and its body must be complete
+    within `message_timeout_s`.
     """
 
-    def __init__(self, service: FrontendService, request: Request) -> None:
+    def __init__(self, service: FrontendService, request: Request, guard: Guard | None = None) -> None:
         self.service = service
         self.request = request
+        self.guard = guard
         self.request_id: str | None = None
         self.call: Call | None = None
-        self.outbox = Outbox(on_overflow=self._overflowed)
+        self.outbox = Outbox(pause_at=service.config.max_send_buffer_bytes, on_overflow=self._overflowed)
+        self._body_bytes = 0
+        self._body_since: float | None = None
+        self._reader: asyncio.Task[bytes | DuplexError] | None = None
+        self._shed: Shed | None = None
 
     async def respond(self) -> Response:
-        body = await self._body()
+        if self.guard is not None:
+            self.guard.adopt(self, counted=False)  # its TCP connection is the one counted
+        try:
+            response = await self._respond()
+        except BaseException:
+            self._release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            self._release()
+        return response
+
+    def _release(self) -> None:
+        if self.guard is not None:
+            self.guard.release(self)
+
+    async def _respond(self) -> Response:
+        body = await self._read_body()
         if isinstance(body, DuplexError):
             return error_response(None, body)
         msg = parse_message(body, one_shot=True)
@@ -75,19 +100,51 @@ class OneShot:
             return error_response(msg.request_id, e)
         return StreamingResponse(self._lines(self.call), media_type="application/x-ndjson")
 
+    async def _read_body(self) -> bytes | DuplexError:
+        """The body, in a task of its own that the guard may end (`shed`)."""
+        self._body_since = time.monotonic()
+        self._reader = asyncio.get_running_loop().create_task(self._body())
+        try:
+            return await self._reader
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._shed is None or (current is not None and current.cancelling()):
+                raise
+            return CallTimeout(self._shed.reason) if self._shed.http_status == 408 else Overloaded(self._shed.reason)
+        finally:
+            self._reader = None
+            self._body_since = None
+            self._body_bytes = 0
+
     async def _body(self) -> bytes | DuplexError:
         limit = self.service.config.max_message_bytes
         chunks: list[bytes] = []
-        size = 0
         async for part in self.request.stream():
-            size += len(part)
-            if size > limit:
+            self._body_bytes += len(part)
+            if self._body_bytes > limit:
                 return LimitExceeded("max_message_mb", f"a request body over the limit of {limit} bytes")
             chunks.append(part)
+            if self.guard is not None:
+                for conn, why in self.guard.report(self, self._body_bytes, time.monotonic()):
+                    conn.shed(why)
         return b"".join(chunks)
 
+    # -- limits (`limits.Guard`) -----------------------------------------------
+    def load(self, now: float) -> Load:
+        return Load(input=self._body_bytes, output=self.outbox.queued_bytes, message_since=self._body_since)
+
+    def shed(self, why: Shed) -> None:
+        log.warning("ending a POST /generate: %s", why.reason)
+        self._shed = why
+        if self._reader is not None:
+            self._reader.cancel()
+        elif self.call is not None:
+            err = CallTimeout(why.reason) if why.http_status == 408 else Overloaded(why.reason)
+            self.outbox.last(error_body(self.request_id, err))
+            self.service.abort_soon(self.call, err.message, err.status)
+
     def _overflowed(self) -> None:
-        err = Overloaded(f"the client was not reading its results ({self.outbox.limit} messages waiting)")
+        err = Overloaded(f"the client was not reading its results ({self.outbox.queued_bytes} bytes waiting)")
         self.outbox.last(error_body(self.request_id, err))
         if self.call is not None:
             self.service.abort_soon(self.call, err.message, err.status)
@@ -102,6 +159,7 @@ class OneShot:
                 yield to_json(msg) + b"\n"
         finally:
             watcher.cancel()
+            self._release()
             self.service.abort_soon(call, "client went away", 499)
 
     async def _abort_when_gone(self, call: Call) -> None:
@@ -114,11 +172,14 @@ class OneShot:
 
 
 class Endpoints:
-    """The frontend's endpoints; they share one service, which they start and stop."""
+    """The frontend's endpoints; they share one service, which they start and stop, and one
+    `limits.Guard`, which every connection reports to (through the lifespan's state, for
+    the protocols in `http.py` and `websocket.py`) and which the lifespan sweeps."""
 
     def __init__(self, service: FrontendService, checks: Sequence[Check] = ()) -> None:
         self.service = service
         self.checks = list(checks)
+        self.guard = Guard(Limits.from_config(service.config))
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -140,16 +201,18 @@ class Endpoints:
         err = await self.refused(request)
         if err is not None:
             return error_response(None, err)
-        return await OneShot(self.service, request).respond()
+        return await OneShot(self.service, request, self.guard).respond()
 
     async def generate_ws(self, ws: WebSocket) -> None:
         if await self.refused(ws) is not None:
             await ws.close(1008)  # before the handshake: the client gets 403
             return
         await ws.accept()
-        send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
-        outbox = Outbox(write=send_now)
+        outlet: Any = ws.scope.get("extensions", {}).get(OUTLET)
+        outbox = Outbox(_as_outlet(outlet), pause_at=self.service.config.max_send_buffer_bytes)
         session = SocketSession(outbox, self.service)
+        if outlet is not None:
+            outlet.busy = lambda: session.has_calls  # a socket with a call is not idle
         # Under the frontend's own protocol (`websocket.FrontendWebSocketProtocol`) a message
         # is handed to the connection at once, which bounds what waits for a slow client.
         # Under another ASGI server they wait in the outbox for a writer task.
@@ -165,7 +228,15 @@ class Endpoints:
 
     async def healthz(self, request: Request) -> Response:
         ok = self.service.ready.is_set()
-        body = {"ready": ok, "frontend_id": self.service.frontend_id, "pid": os.getpid(), "calls": len(self.service.calls)}
+        body = {
+            "ready": ok,
+            "frontend_id": self.service.frontend_id,
+            "pid": os.getpid(),
+            "calls": len(self.service.calls),
+            "connections": len(self.guard),
+            "buffered_bytes": self.guard.total,
+            "shed": self.guard.shed_count,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def index(self, request: Request) -> Response:
@@ -177,10 +248,24 @@ class Endpoints:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[dict[str, Any]]:
         await self.service.start()
+        sweeper = asyncio.get_running_loop().create_task(self._sweep())
         try:
-            yield {DRAIN: self.service.drain}  # the WebSocket protocol drains before it closes its socket
+            # The WebSocket protocol drains before it closes its socket; every connection
+            # reports to the guard.
+            yield {DRAIN: self.service.drain, GUARD: self.guard}
         finally:
+            await _stop(sweeper)
             await self.service.close()
+
+    async def _sweep(self) -> None:
+        """End the connections past a timeout (or over the memory budget), now and then."""
+        while True:
+            await asyncio.sleep(self.guard.limits.sweep_s)
+            for conn, why in self.guard.sweep(time.monotonic()):
+                try:
+                    conn.shed(why)
+                except Exception:
+                    log.exception("ending a connection (%s) failed", why.key)
 
 
 async def _read_all(ws: WebSocket, session: SocketSession) -> None:
@@ -204,6 +289,11 @@ async def _write_all(ws: WebSocket, outbox: Outbox) -> None:
         await ws.send_text(to_json(msg).decode())
 
 
+def _as_outlet(ext: Any) -> Outlet | None:
+    """The connection's outlet (the frontend's own WebSocket protocol), or None under another server."""
+    return ext if ext is not None and hasattr(ext, "send_now") and hasattr(ext, "has_room") else None
+
+
 async def _stop(task: asyncio.Task[None]) -> None:
     """Cancel a task of ours and wait for it; the caller's own cancellation goes on up."""
     task.cancel()
@@ -214,7 +304,7 @@ async def _stop(task: asyncio.Task[None]) -> None:
         if current is not None and current.cancelling():
             raise
     except Exception:
-        log.exception("a socket's writer failed")
+        log.exception("a task failed as it was stopped")
 
 
 async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:

@@ -49,6 +49,8 @@ class Sink(Protocol):
     """Takes a call's server -> client messages; never blocks (`outbox.Outbox`)."""
 
     def send(self, msg: Reply) -> None: ...
+    def has_room(self) -> bool: ...  # False: outputs wait in the stream until `when_room` calls back
+    def when_room(self, key: str, then: Callable[[], None]) -> None: ...
 
 
 @dataclass(eq=False)  # a call is itself, whatever its fields: its owner keeps it in a set
@@ -305,13 +307,21 @@ class FrontendService:
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is None:
             return
-        if self.payloads.is_stored(m):
+        if call.relay.behind or not call.sink.has_room():
+            self._fall_behind(call)  # the client is slower than its outputs: this one waits in the stream
+        elif self.payloads.is_stored(m):
             self.tasks.spawn(self._accept_stored_output(call, m))
         else:
             self._accept_output(call, m.data)
 
     async def _accept_stored_output(self, call: Call, m: Msg) -> None:
         self._accept_output(call, await self.payloads.body(m))
+
+    def _fall_behind(self, call: Call) -> None:
+        """Live outputs are not taken until the client has room; then they are read from the
+        stream (`_recover_outputs`), from where the relay is."""
+        call.relay.fall_behind()
+        call.sink.when_room(call.cid, lambda: self._recover_outputs(call))
 
     def _accept_output(self, call: Call, body: bytes) -> None:
         """Relay what the relay lets through now (`relay.OutputRelay`). The last output a fin
@@ -332,30 +342,56 @@ class FrontendService:
             self._recover_outputs(call)
 
     def _recover_outputs(self, call: Call) -> None:
-        """Outputs lost in transit (a gap, or fewer than the fin counts): every output is in
-        the stream, so read the call's outputs again and relay the missing ones. Each read
-        starts where the last one ended: what was stored before that has been relayed (or
-        held), so a missing output is stored later."""
+        """Outputs not relayed yet, lost in transit (a gap, or fewer than the fin counts) or
+        not taken while the client had no room: every output is in the stream, so read the
+        call's outputs from there and relay the missing ones, as long as the client has room.
+        Each read starts where the last one ended: what was stored before that has been
+        relayed (or held), so a missing output is stored later."""
         if call.recovering or call.cid not in self.calls:
             return
         call.recovering = True
 
         async def recover() -> None:
-            assert self.js is not None
+            stopped = False
             try:
-                filters = [subjects.out(call.cid), subjects.fin(call.cid)]
-                async for subject, body, seq in bus.read_stored(self.js, self.payloads, filters, after=call.relay.read_to):
-                    call.relay.read(seq)
-                    if subjects.parse(subject).kind == subjects.FIN:
-                        await self._accept_fin(call, body)
-                    else:
-                        self._accept_output(call, body)
+                while call.cid in self.calls:
+                    drops = call.relay.drops
+                    if not await self._read_outputs(call):
+                        stopped = True
+                        return
+                    call.relay.caught_up()
+                    if call.relay.drops == drops:
+                        return
+                    # Live outputs were not taken during the read: those stored after its end
+                    # are read now.
             except Exception:
                 log.exception("recovering the outputs of %s failed", call.cid)
             finally:
                 call.recovering = False
+                if stopped:
+                    self._fall_behind(call)  # read on once the client has room
+                    if call.sink.has_room():  # it drained while the read was being closed
+                        self._recover_outputs(call)
 
         self.tasks.spawn(recover())
+
+    async def _read_outputs(self, call: Call) -> bool:
+        """One read of the call's stored outputs and fin, from where the relay is; False where
+        it stopped because the client had no room for more."""
+        assert self.js is not None
+        filters = [subjects.out(call.cid), subjects.fin(call.cid)]
+        reader = bus.read_stored(self.js, self.payloads, filters, after=call.relay.read_to)
+        async with contextlib.aclosing(reader) as stored:
+            async for subject, body, seq in stored:
+                if subjects.parse(subject).kind == subjects.FIN:
+                    call.relay.read(seq)
+                    await self._accept_fin(call, body)
+                elif not call.sink.has_room():
+                    return False
+                else:
+                    call.relay.read(seq)
+                    self._accept_output(call, body)
+        return True
 
     def _on_fin(self, m: Msg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
@@ -393,7 +429,7 @@ class FrontendService:
             if call.relay.give_up_due(now):
                 await self._finish(call)
                 continue
-            if call.relay.recovery_due(now):
+            if not call.recovering and call.relay.read_due(now, call.sink.has_room()):
                 self._recover_outputs(call)
             if call.input.state is InputState.OPEN and call.input.idle_for(now) > limit:
                 err = CallTimeout(f"no input for {limit:g}s (request_timeout_s)")
