@@ -45,7 +45,7 @@ class FrontendHttpProtocol(HttpToolsProtocol):
         self._refused = False
         self._upgraded = False
         self._last_waiting = 0
-        self._progress_at = 0.0
+        self._progress_at = time.monotonic()
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -66,11 +66,10 @@ class FrontendHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         if self._headers_since is not None:
-            self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self._refuse(431, "Request Header Fields Too Large", f"request headers over {MAX_HEADER_BYTES} bytes")
-                return
+            self._header_bytes += len(data)  # a body that came with the headers too: reset once they end
         super().data_received(data)
+        if self._headers_since is not None and self._header_bytes > MAX_HEADER_BYTES and not self._refused:
+            self._refuse(431, "Request Header Fields Too Large", f"request headers over {MAX_HEADER_BYTES} bytes")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -89,6 +88,10 @@ class FrontendHttpProtocol(HttpToolsProtocol):
         self._upgraded = True
         super().handle_websocket_upgrade()
 
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._progress_at = time.monotonic()  # what waited drained below the low-water mark: the client reads
+
     def _refuse(self, status: int, phrase: str, text: str) -> None:
         self._refused = True
         log.warning("closing an HTTP connection: %d %s", status, text)
@@ -100,7 +103,8 @@ class FrontendHttpProtocol(HttpToolsProtocol):
     def load(self, now: float) -> Load:
         waiting = self.transport.get_write_buffer_size() if self.transport is not None else 0
         # uvicorn writes a response only while under its write buffer's high-water mark, so
-        # what waits shrinks only when the client reads.
+        # what waits shrinks only when the client reads; a client reading slowly drains it
+        # below the low-water mark now and then (resume_writing).
         if waiting < self._last_waiting or waiting == 0:
             self._progress_at = now
         self._last_waiting = waiting

@@ -227,7 +227,7 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
             self._out.append(chunk)
             self._out_bytes += len(chunk)
         if self.backlog() > 2 * self.max_send_buffer:
-            self._give_up("client not reading", self.backlog())
+            self._give_up("replies past twice max_send_buffer_mb", self.backlog())
             raise ClientDisconnected()
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -245,7 +245,8 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
     def _give_up(self, why: str, waiting: int) -> None:
         """The client has not read what was sent to it: drop the connection (its calls are
         aborted by the app when it sees the disconnect)."""
-        log.warning("closing a WebSocket whose %s (%d bytes waiting, bound %d)", why, waiting, self.max_send_buffer)
+        bound = self.max_send_buffer
+        log.warning("dropping a WebSocket, client not reading: %s (%d bytes waiting, bound %d)", why, waiting, bound)
         self._out.clear()
         self._out_bytes = 0
         self.transport.abort()  # connection_lost() then tells the app: websocket.disconnect
