@@ -41,8 +41,11 @@ Check = Callable[[HTTPConnection], Awaitable[DuplexError | None]]
 the request with its status (a socket: refused at the handshake)."""
 
 
-def error_response(rid: str | None, err: DuplexError) -> JSONResponse:
-    return JSONResponse(error_body(rid, err), status_code=err.status)
+def error_response(rid: str | None, err: DuplexError, close: bool = False) -> JSONResponse:
+    """The error as a response; `close`: the connection closes after it (its request's body
+    was not read to the end, so nothing more on it can be read as a request)."""
+    headers = {"connection": "close"} if close else None
+    return JSONResponse(error_body(rid, err), status_code=err.status, headers=headers)
 
 
 class OneShot:
@@ -86,7 +89,7 @@ class OneShot:
     async def _respond(self) -> Response:
         body = await self._read_body()
         if isinstance(body, DuplexError):
-            return error_response(None, body)
+            return error_response(None, body, close=True)
         msg = parse_message(body, one_shot=True)
         if isinstance(msg, ParseError):
             return error_response(msg.request_id, msg.error)

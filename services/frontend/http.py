@@ -22,7 +22,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from services.frontend.limits import Guard, Load, Shed
-from services.frontend.websocket import GUARD
+from services.frontend.websocket import CLOSE_LINGER_S, GUARD
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,14 @@ class FrontendHttpProtocol(HttpToolsProtocol):
         self._progress_at = time.monotonic()  # what waited drained below the low-water mark: the client reads
 
     def _refuse(self, status: int, phrase: str, text: str) -> None:
+        """Answer and close. What the client still sends is read and dropped for a moment
+        (`data_received`): closing at once would answer its next bytes with a reset, which
+        loses the answer on its way."""
         self._refused = True
         log.warning("closing an HTTP connection: %d %s", status, text)
         if not self.transport.is_closing():
             self.transport.write(_response(status, phrase, text))
-            self.transport.close()
+            self.loop.call_later(CLOSE_LINGER_S, self.transport.close)
 
     # -- limits (`limits.Guard`) -----------------------------------------------
     def load(self, now: float) -> Load:

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 MAX_INBOUND = 256  # client messages read ahead of the app before reading pauses
 INBOUND_BYTES = 4 * 1024 * 1024  # or this many bytes of them (at most one message more)
 FRAGMENT_COST = 64  # bytes a fragment costs beyond its payload (its object): tiny fragments add up
+CLOSE_LINGER_S = 2.0  # after a close we send, how long what the client still sends is read and dropped
+LINGER_MAX_BYTES = 1024 * 1024  # or how much of it: past this the connection is dropped
 SEND_NOW = "duplexbus.send_now"  # ASGI scope extension: send a text message (UTF-8 bytes) without awaiting
 OUTLET = "duplexbus.outlet"  # ASGI scope extension: the connection itself (send_now, has_room, on_room, busy)
 DRAIN = "duplexbus.drain"  # lifespan state: starts (once) the app's drain, returns its task
@@ -109,6 +111,9 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
     # -- receiving -------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.close_sent and len(self.conn.reader.buffer) > LINGER_MAX_BYTES and not self.transport.is_closing():
+            self.transport.abort()  # closing, and the client sends a large frame all the same
+            return
         if self.guard is None or self.disconnected:
             return
         now = time.monotonic()
@@ -120,14 +125,20 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         self._report(now)
 
     def handle_text(self, event: Frame) -> None:
+        if self.close_sent:
+            return  # closing: nothing more is kept
         self._frames_bytes = len(event.data) + FRAGMENT_COST
         super().handle_text(event)
 
     def handle_bytes(self, event: Frame) -> None:
+        if self.close_sent:
+            return
         self._frames_bytes = len(event.data) + FRAGMENT_COST
         super().handle_bytes(event)
 
     def handle_cont(self, event: Frame) -> None:
+        if self.close_sent:
+            return
         self._frames_bytes += len(event.data) + FRAGMENT_COST
         super().handle_cont(event)
 
@@ -286,11 +297,17 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         log.warning("closing a WebSocket (%d): %s", why.ws_code, why.reason)
         self._flush()
+        if self.transport.get_write_buffer_size() > 0:
+            self._give_up(why.reason, self.backlog())  # it is not reading what waits: a goodbye would wait too
+            return
         self.conn.send_close(why.ws_code, why.reason)
         self.transport.write(b"".join(self.conn.data_to_send()))
         self.close_sent = True
         self.queue.put_nowait({"type": "websocket.disconnect", "code": why.ws_code, "reason": why.reason})
-        if self.transport.get_write_buffer_size() > 0:
-            self.transport.abort()  # the client is not reading what waits: no goodbye to wait for
-        else:
-            self.transport.close()
+        # The closing handshake: what the client still sends is read and dropped until its
+        # close frame comes (handle_close then closes) or for CLOSE_LINGER_S; closing at once
+        # would answer its next bytes with a reset, which loses our close frame on the way.
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self.close_timer = self.loop.call_later(CLOSE_LINGER_S, self.transport.abort)
