@@ -136,12 +136,13 @@ async def test_unfinished_request_headers_are_closed_after_header_timeout_s(stac
                 return data.split(b"\r\n", 1)[0], time.monotonic() - t0
         return b"no answer", time.monotonic() - t0
 
+    going = asyncio.create_task(live.keep_going(1.0))
     try:
-        results = await asyncio.gather(live.keep_going(1.0), *(trickle(r, w) for r, w in conns))
+        answers = await asyncio.gather(*(trickle(r, w) for r, w in conns))
     finally:
         for _, w in conns:
             w.close()
-    answers = results[1:]
+    await going
     assert all(line == b"HTTP/1.1 408 Request Timeout" for line, _ in answers), answers
     assert max(t for _, t in answers) < CONFIG["header_timeout_s"] + 2.0
     await live.finish()
@@ -187,14 +188,17 @@ async def test_an_unfinished_message_closes_its_socket_after_message_timeout_s(s
     async def post_answer() -> bytes:
         return (await asyncio.wait_for(reader.read(), 10)).split(b"\r\n", 1)[0]
 
+    going = asyncio.create_task(live.keep_going(1.0))
+    posted = asyncio.create_task(post_answer())
     try:
-        results = await asyncio.gather(live.keep_going(1.0), post_answer(), *(ws.closed(timeout=10) for ws in fragmented + cut))
+        closes = await asyncio.gather(*(ws.closed(timeout=10) for ws in fragmented + cut))
+        answer = await posted
     finally:
         writer.close()
         for ws in fragmented + cut:
             ws.close()
-    assert results[1] == b"HTTP/1.1 408 Request Timeout", results[1]
-    closes = results[2:]
+    await going
+    assert answer == b"HTTP/1.1 408 Request Timeout", answer
     assert all(code == 1008 and reason.startswith("message_timeout_s:") for code, reason in closes), closes
     assert time.monotonic() - t0 < CONFIG["message_timeout_s"] + 3.0
     await live.finish()
