@@ -117,29 +117,32 @@ def wait_workers(
     """Until `expected` workers heartbeat (their models load after the frontend is up), or `stopping()`."""
     import asyncio
 
-    from shared.bus import nats_io as bus
     from shared.bus import subjects
+    from shared.bus.connection import BusConnection
+    from shared.runtime.errors import BusError
 
     async def poll() -> bool:
         deadline = time.monotonic() + timeout
         if stopping():
             return False
         try:  # the config's credentials and TLS too; its connect retries until NATS answers
-            nc = await asyncio.wait_for(bus.connect(cfg, "duplexbus-up"), timeout)
+            conn = await asyncio.wait_for(BusConnection.open(cfg, "duplexbus-up", stream=False), timeout)
         except TimeoutError:
             return False
         try:
             while time.monotonic() < deadline and not stopping():
                 if any(not c.alive() for c in children if c.name.startswith("worker")):
                     return False
-                with contextlib.suppress(Exception):
-                    kv = await nc.jetstream().key_value(subjects.KV_WORKERS)
+                try:
+                    kv = await conn.bucket(subjects.KV_WORKERS, create=False)
                     if len(await kv.keys()) >= expected:
                         return True
+                except BusError:  # no worker has made the bucket yet, or NATS is busy: look again
+                    pass
                 await asyncio.sleep(0.2)
             return False
         finally:
-            await bus.close(nc)
+            await conn.close()
 
     return asyncio.run(poll())
 

@@ -1,4 +1,4 @@
-"""What every service process shares: logging, signals, graceful shutdown, heartbeats."""
+"""What every service process shares: logging, signals, periodic work, the GC, owned tasks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from nats.js.kv import KeyValue
+from shared.runtime.errors import BusError
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +38,11 @@ async def every(period: float, fn: Callable[[], Awaitable[None]], what: str) -> 
             await fn()
         except asyncio.CancelledError:
             raise
+        except BusError as e:  # the bus's own failures say enough in one line, each period
+            log.error("%s failed: %s", what, e)
         except Exception:
             log.exception("%s failed", what)
         await asyncio.sleep(max(0.0, period - (time.monotonic() - start)))
-
-
-async def heartbeat(kv: KeyValue, key: str, payload: Callable[[], bytes], period: float) -> None:
-    async def beat() -> None:
-        await kv.put(key, payload())
-
-    await every(period, beat, f"heartbeat {key}")
-
-
-async def delete_quietly(kv: KeyValue, key: str) -> None:
-    with contextlib.suppress(Exception):
-        await kv.delete(key)
 
 
 def tune_gc() -> None:
