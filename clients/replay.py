@@ -11,7 +11,9 @@ import msgspec
 
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection
-from shared.runtime.config import load_config
+from shared.runtime.config import ServingConfig
+
+CONNECT_TIMEOUT_S = 5.0  # a CLI command says it cannot reach NATS rather than wait forever
 
 
 async def read_call(conn: BusConnection, cid: str) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
@@ -34,9 +36,8 @@ def summarize(msg: wire.AnyMsg) -> dict[str, Any]:
     return d
 
 
-async def run_replay(args: argparse.Namespace) -> int:
-    cfg = load_config(None, nats_url=args.nats_url)
-    conn = await BusConnection.open(cfg, "duplexbus-replay", stream=False)
+async def run_replay(args: argparse.Namespace, cfg: ServingConfig) -> int:
+    conn = await BusConnection.open(cfg, "duplexbus-replay", stream=False, connect_timeout=CONNECT_TIMEOUT_S)
     try:
         n = 0
         async for subject, msg in read_call(conn, args.cid):

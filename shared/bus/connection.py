@@ -13,6 +13,7 @@ import logging
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client
@@ -83,6 +84,19 @@ def conductor_consumer() -> ConsumerConfig:
         ack_wait=30,
         max_ack_pending=10_000,
     )
+
+
+def redacted(urls: str | None) -> str:
+    """NATS URL(s) without passwords, for messages and logs."""
+    out = []
+    for url in (urls or "").split(","):
+        parts = urlsplit(url)
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+            url = parts._replace(netloc=netloc).geturl()
+        out.append(url)
+    return ",".join(out)
 
 
 def _connect_options(config: ServingConfig, name: str) -> dict[str, Any]:
@@ -156,17 +170,17 @@ class BusConnection:
             if "permissions violation" in str(e).lower():
                 denials.saw(str(e).removeprefix("nats: "))
                 log.error("NATS refused an operation: %s", e)
-            else:
+            elif connect_timeout is None:  # a service: say so; a CLI command says it once, on failing
                 log.warning("NATS: %s", e or type(e).__name__)
 
         opts["error_cb"] = on_error
         if reconnected is not None:
             opts["reconnected_cb"] = reconnected
-        with mapped(f"connecting to {config.nats_url}", denials):
+        with mapped(f"connecting to {redacted(config.nats_url)}", denials):
             if connect_timeout is None:
                 nc = await nats.connect(**opts)
-            else:
-                opts.update(allow_reconnect=False, connect_timeout=min(2.0, connect_timeout))
+            else:  # one try at each server
+                opts.update(allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=min(2.0, connect_timeout))
                 nc = await asyncio.wait_for(nats.connect(**opts), connect_timeout)
         conn = cls(nc, config, denials)
         try:
