@@ -195,8 +195,7 @@ class RealtimeSession:
 
     def error(self, code: str, message: str, param: str | None = None, client_event_id: str | None = None) -> Out:
         """The GA error envelope; the session goes on."""
-        kind = "server_error" if code in ("server_error", "server_busy") else "invalid_request_error"
-        self._emit("error", error={"type": kind, "code": code, "message": message, "param": param, "event_id": client_event_id})
+        self._emit_error(code, message, param, client_event_id)
         return self._take()
 
     def refused(self, e: ev.ClientError) -> Out:
@@ -261,7 +260,8 @@ class RealtimeSession:
         return self._take()
 
     def _emit_error(self, code: str, message: str, param: str | None, eid: str | None) -> None:
-        self._out.events.extend(self.error(code, message, param, eid).events)
+        kind = "server_error" if code in ("server_error", "server_busy") else "invalid_request_error"
+        self._emit("error", error={"type": kind, "code": code, "message": message, "param": param, "event_id": eid})
 
     def _update(self, u: ev.SessionUpdate) -> None:
         if u.input_rate is not None and u.input_rate != self.input_rate:
