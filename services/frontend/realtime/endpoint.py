@@ -366,14 +366,10 @@ class RealtimeHub:
         old = self.detached.get(token) or self.attached.get(token)
         seen = event_number(last) if last else 0
         if old is None or old is fresh or seen is None or seen > old.core.n:
-            why = (
-                "no session to resume with this token (expired, ended or unknown)"
-                if old is None or old is fresh
-                else "unknown last_event_id"
-            )
-            err = ev.ClientError(
-                "invalid_resume_token" if seen is not None else "invalid_value", why, "resume_token", event.event_id
-            )
+            unknown = old is None or old is fresh
+            why = "no session to resume with this token (expired, ended or unknown)" if unknown else "unknown last_event_id"
+            code, param = ("invalid_resume_token", "resume_token") if unknown else ("invalid_value", "last_event_id")
+            err = ev.ClientError(code, why, param, event.event_id)
             if fresh is None:
                 outbox.send(to_json(standalone_error(code, why)))
                 await outbox.close(1008, "resume")
