@@ -79,7 +79,10 @@ async def realtime_session(url: str, seconds: float, lags: list[float]) -> None:
     append = json.dumps({"type": "input_audio_buffer.append", "audio": b64_pcm16(_tone(1920, 24000))})
     commit = json.dumps({"type": "input_audio_buffer.commit"})
     fmt = {"type": "audio/pcm", "rate": 24000}
-    update = {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": fmt, "turn_detection": None}}}}
+    update = {
+        "type": "session.update",
+        "session": {"type": "realtime", "audio": {"input": {"format": fmt, "turn_detection": None}}},
+    }
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps(update))
         sent: list[float] = []
@@ -124,8 +127,8 @@ async def level(stack: UpStack, path: str, sessions: int, seconds: float) -> dic
         "sessions": sessions,
         "pieces": len(lags),
         "expected": expected,
-        "lag_p50_ms": 1000 * percentile(lags, 50),
-        "lag_p99_ms": 1000 * percentile(lags, 99),
+        "lag_p50_ms": 1000 * (percentile(lags, 50) or 0.0),
+        "lag_p99_ms": 1000 * (percentile(lags, 99) or 0.0),
         "frontend_cpu_pct": cpu.get("frontend", 0.0),
         "workers_cpu_pct": sum(v for k, v in cpu.items() if k.startswith("worker")),
         "nats_cpu_pct": cpu.get("nats-server", 0.0),

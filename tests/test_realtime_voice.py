@@ -80,9 +80,7 @@ async def test_spoken_clip_with_server_vad(stack: Stack, clip: np.ndarray) -> No
     client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
     events: list[dict[str, Any]] = []
     async with client.realtime.connect(model="voice_assistant") as conn:
-        await conn.session.update(
-            session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}
-        )
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
         feeder = asyncio.create_task(stream(conn, np.concatenate([silence(0.5, RATE), clip, silence(2.5, RATE)])))
         done = await collect(conn, events, "response.done", 60)
         await feeder

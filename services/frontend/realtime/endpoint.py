@@ -37,7 +37,6 @@ from services.frontend.realtime.session import (
 from services.frontend.realtime.session import EndInput as EndInputAction
 from services.frontend.service import Call, FrontendService, Reply, to_json
 from services.frontend.websocket import SEND_NOW
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
 from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded, Overloaded
 from shared.sdk.model import ClientFile, ClientInput, Model
@@ -80,21 +79,19 @@ class EventLog:
             while self._queue:
                 body = self._queue.popleft()
                 try:
-                    await self.svc.payloads.publish(self.subject, body)
+                    await self.svc.bus.publish(self.subject, body)
                 except Exception:
                     log.exception("storing a realtime event failed")
             self._idle.set()
 
     async def drain(self) -> None:
-        """Until every event put so far has been handed to the server."""
+        """Until every event put so far has been handed to the connection (the stream stores
+        it a moment later: a resume reads until it has them all)."""
         await self._idle.wait()
-        assert self.svc.nc is not None
-        await self.svc.nc.flush()
 
     async def read(self, after: int) -> AsyncIterator[tuple[int, bytes, int]]:
         """(n, event JSON, stream seq) of what the stream holds after stream seq `after`."""
-        assert self.svc.js is not None
-        async for _, body, seq in bus.read_stored(self.svc.js, self.svc.payloads, [self.subject], after=after):
+        async for _, body, seq in self.svc.bus.read_stored([self.subject], after=after):
             msg = wire.decode_as(body, wire.RealtimeEvent)
             yield msg.n, msg.json, seq
 
