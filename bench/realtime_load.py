@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -47,31 +48,37 @@ def _tone(n: int, rate: int) -> np.ndarray:
     return (8000 * np.sin(2 * np.pi * 440 * np.arange(n) / rate)).astype(np.int16)
 
 
+async def paced(ws: Any, seconds: float, messages: list[str], answer: Callable[[_Event], int | None], lags: list[float]) -> None:
+    """Send `messages` every 80 ms in real time; `answer` says which piece (k) a server
+    message answers (None: none), and the lag of each piece past the warm-up is kept."""
+    n = round(seconds / PERIOD)
+    sent: list[float] = []
+
+    async def reader() -> None:
+        got = 0
+        while got < n:
+            k = answer(_decode(await ws.recv()))
+            if k is not None:
+                if k >= WARMUP:
+                    lags.append(time.monotonic() - sent[k])
+                got += 1
+
+    task = asyncio.create_task(reader())
+    t0 = time.monotonic()
+    for k in range(n):
+        await asyncio.sleep(max(0.0, t0 + k * PERIOD - time.monotonic()))
+        sent.append(time.monotonic())
+        for m in messages:
+            await ws.send(m)
+    await asyncio.wait_for(task, 30)
+
+
 async def generate_session(url: str, i: int, seconds: float, lags: list[float]) -> None:
     rid = f"g{i}"
     frame = json.dumps({"request_id": rid, "append": [{"name": "a.pcm", "data": b64_pcm16(_tone(1280, 16000))}]})
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"request_id": rid, "model": "echo"}))
-        sent: list[float] = []
-        n = round(seconds / PERIOD)
-
-        async def reader() -> None:
-            got = 0
-            while got < n:
-                m = _decode(await ws.recv())
-                if m.output is not None:
-                    k = int(m.output["frame"])
-                    if k >= WARMUP:
-                        lags.append(time.monotonic() - sent[k])
-                    got += 1
-
-        task = asyncio.create_task(reader())
-        t0 = time.monotonic()
-        for k in range(n):
-            await asyncio.sleep(max(0.0, t0 + k * PERIOD - time.monotonic()))
-            sent.append(time.monotonic())
-            await ws.send(frame)
-        await asyncio.wait_for(task, 30)
+        await paced(ws, seconds, [frame], lambda m: None if m.output is None else int(m.output["frame"]), lags)
         await ws.send(json.dumps({"request_id": rid, "end_input": True}))
 
 
@@ -83,28 +90,18 @@ async def realtime_session(url: str, seconds: float, lags: list[float]) -> None:
         "type": "session.update",
         "session": {"type": "realtime", "audio": {"input": {"format": fmt, "turn_detection": None}}},
     }
+    done = 0
+
+    def answer(m: _Event) -> int | None:
+        nonlocal done
+        if m.type != "response.done":
+            return None
+        done += 1
+        return done - 1
+
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps(update))
-        sent: list[float] = []
-        n = round(seconds / PERIOD)
-
-        async def reader() -> None:
-            done = 0
-            while done < n:
-                m = _decode(await ws.recv())
-                if m.type == "response.done":
-                    if done >= WARMUP:
-                        lags.append(time.monotonic() - sent[done])
-                    done += 1
-
-        task = asyncio.create_task(reader())
-        t0 = time.monotonic()
-        for k in range(n):
-            await asyncio.sleep(max(0.0, t0 + k * PERIOD - time.monotonic()))
-            sent.append(time.monotonic())
-            await ws.send(append)
-            await ws.send(commit)
-        await asyncio.wait_for(task, 30)
+        await paced(ws, seconds, [append, commit], answer, lags)
         await ws.send(json.dumps({"type": "session.close"}))
 
 

@@ -13,6 +13,18 @@ from pydantic import TypeAdapter
 EXTENSIONS = {"playback.acknowledged", "session.closed", "session.heartbeat", "session.resumed"}
 _SERVER_EVENT: TypeAdapter[Any] | None = None
 
+MANUAL_16K = {
+    "type": "session.update",
+    "session": {
+        "type": "realtime",
+        "audio": {
+            "input": {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None},
+            "output": {"format": {"type": "audio/pcm", "rate": 16000}},
+        },
+    },
+}
+"""A session.update to 16 kHz both ways (echo's own rate: nothing resampled) and manual commits."""
+
 
 def check_event(e: dict[str, Any]) -> None:
     """The event validates against the SDK's model for its type (required fields and all)."""

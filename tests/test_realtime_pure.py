@@ -27,18 +27,7 @@ from services.frontend.realtime.session import (
 )
 from shared.sdk.audio import b64_pcm16
 from shared.sdk.realtime import RealtimeMapping
-from tests.realtime_helpers import audio_of, check_event, check_responses, snr_db, tone
-
-MANUAL_16K = {
-    "type": "session.update",
-    "session": {
-        "type": "realtime",
-        "audio": {
-            "input": {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None},
-            "output": {"format": {"type": "audio/pcm", "rate": 16000}},
-        },
-    },
-}
+from tests.realtime_helpers import MANUAL_16K, audio_of, check_event, check_responses, snr_db, tone
 
 
 class Harness:

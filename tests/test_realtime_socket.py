@@ -18,7 +18,7 @@ import websockets
 from services.frontend.realtime.session import event_number
 from shared.sdk.audio import b64_pcm16
 from tests.helpers import WS, Stack, running_stack
-from tests.realtime_helpers import audio_of, check_event, check_responses, tone
+from tests.realtime_helpers import MANUAL_16K, audio_of, check_event, check_responses, tone
 
 GRACE_S = 1.5
 CONFIG = {
@@ -26,16 +26,6 @@ CONFIG = {
     "max_concurrent_requests": 2,
     "client_streams": {"audio_in": {"max_items": 40}},  # 3.2 s of audio per session
     "realtime": {"resume_grace_s": GRACE_S},
-}
-MANUAL_16K = {
-    "type": "session.update",
-    "session": {
-        "type": "realtime",
-        "audio": {
-            "input": {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None},
-            "output": {"format": {"type": "audio/pcm", "rate": 16000}},
-        },
-    },
 }
 
 
