@@ -15,7 +15,9 @@ from services.frontend.calls import CallInput, InputState
 from services.frontend.outbox import Outbox
 from services.frontend.service import Call, FrontendService
 from services.frontend.session import SocketSession
+from shared.bus import subjects
 from shared.runtime.config import parse_config
+from shared.runtime.errors import BusTimeout
 
 
 class FakeWS:
@@ -156,45 +158,46 @@ async def test_a_call_that_ended_while_it_opened_is_not_kept() -> None:
     assert session.live("gone") is None and not session.has_calls
 
 
-class FailingJS:
-    async def publish(self, subject: str, body: bytes) -> None:
-        raise ConnectionError("no route to the server")
+class FakeBus:
+    """The bus as the service uses it to end a call: a store that fails, a request_id bucket
+    that records what it frees."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.kv = {subjects.KV_REQUEST_IDS: self}
+
+    async def store(self, subject: str, body: bytes) -> None:
+        raise BusTimeout(f"storing {subject}", "no answer in time")
+
+    async def release(self, key: str, owner: bytes, revision: int = 0) -> None:
+        self.released.append(key)
+
+
+def _service_on(bus: FakeBus) -> FrontendService:
+    svc = FrontendService(parse_config({"model": "echo", "nats_url": "nats://127.0.0.1:1"}))
+    svc._bus = bus  # type: ignore[assignment]
+    return svc
 
 
 async def test_an_abort_that_is_not_published_is_logged(caplog: Any) -> None:
-    cfg = parse_config({"model": "echo", "nats_url": "nats://127.0.0.1:1"})
-    svc = FrontendService(cfg)
-    svc.js = FailingJS()  # type: ignore[assignment]
-    inp = CallInput(svc.model(None), {"audio_in": None}, cfg.max_call_input_bytes, time.monotonic())
+    svc = _service_on(FakeBus())
+    inp = CallInput(svc.model(None), {"audio_in": None}, svc.config.max_call_input_bytes, time.monotonic())
     call = Call("cid-x", "r", inp, FakeWS().outbox, True)
     svc.calls[call.cid] = call
     with caplog.at_level("WARNING"):
         await svc.abort(call, "socket closed", 499)
     assert call.ended.is_set() and not svc.calls
-    assert "the abort of call cid-x (socket closed) was not published: ConnectionError" in caplog.text
+    assert "call cid-x: its abort (socket closed) was not published: storing call.cid-x.abort" in caplog.text
     await svc.tasks.close()
 
 
-class RecordingIds:
-    def __init__(self) -> None:
-        self.deleted: list[str] = []
-
-    async def get(self, key: str) -> Any:
-        return SimpleNamespace(value=b"cid-r", revision=7)
-
-    async def delete(self, key: str, last: int = 0) -> None:
-        self.deleted.append(key)
-
-
 async def test_only_a_call_with_a_request_id_frees_one() -> None:
-    cfg = parse_config({"model": "echo", "nats_url": "nats://127.0.0.1:1"})
-    svc = FrontendService(cfg)
-    ids = RecordingIds()
-    svc.rids = ids  # type: ignore[assignment]
+    bus = FakeBus()
+    svc = _service_on(bus)
     model = svc.model(None)
     for cid, rid in (("cid-r", "r"), ("cid-none", None)):
         call = Call(cid, rid, CallInput(model, {"audio_in": None}, 1 << 20, time.monotonic()), FakeWS().outbox, rid is not None)
         svc.calls[cid] = call
         await svc._cleanup(call)
-    assert ids.deleted == ["r"]  # no attempt on key "" (or None) for the one-shot without one
+    assert bus.released == ["r"]  # no attempt on key "" (or None) for the one-shot without one
     await svc.tasks.close()

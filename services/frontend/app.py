@@ -1,4 +1,4 @@
-"""HTTP and WebSocket endpoints: `WS /generate/ws`, `POST /generate`, `/healthz`, `/`.
+"""HTTP and WebSocket endpoints: `WS /generate/ws`, `POST /generate`, `WS /v1/realtime`, `/healthz`, `/`.
 
 `create_app` wires the endpoints (`Endpoints`, one object that owns the service) to routes.
 A route added later (another protocol on the same calls) is one more method there and one
@@ -26,6 +26,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from services.frontend.limits import Guard, Limits, Load, Shed
 from services.frontend.outbox import Outbox, Outlet, to_json
 from services.frontend.protocol import Opening, ParseError, parse_message
+from services.frontend.realtime.endpoint import RealtimeHub
 from services.frontend.service import Call, FrontendService
 from services.frontend.session import SocketSession, error_body
 from services.frontend.websocket import DRAIN, GUARD, OUTLET
@@ -183,6 +184,7 @@ class Endpoints:
         self.service = service
         self.checks = list(checks)
         self.guard = Guard(Limits.from_config(service.config))
+        self.hub = RealtimeHub(service)
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -190,6 +192,7 @@ class Endpoints:
             Route("/healthz", self.healthz),
             Route("/generate", self.generate, methods=["POST"]),
             WebSocketRoute("/generate/ws", self.generate_ws),
+            WebSocketRoute("/v1/realtime", self.realtime_ws),
         ]
 
     async def refused(self, conn: HTTPConnection) -> DuplexError | None:
@@ -229,6 +232,13 @@ class Endpoints:
             if outbox.overflowed:
                 await _close_quietly(ws, 1008, "client not reading")
 
+    async def realtime_ws(self, ws: WebSocket) -> None:
+        """`WS /v1/realtime?model=NAME`: the OpenAI Realtime API (docs/realtime.md)."""
+        if await self.refused(ws) is not None:
+            await ws.close(1008)
+            return
+        await self.hub.serve(ws)
+
     async def healthz(self, request: Request) -> Response:
         ok = self.service.ready.is_set()
         body = {
@@ -258,6 +268,7 @@ class Endpoints:
             yield {DRAIN: self.service.drain, GUARD: self.guard}
         finally:
             await _stop(sweeper)
+            await self.hub.close()
             await self.service.close()
 
     async def _sweep(self) -> None:

@@ -17,29 +17,26 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
-from nats.js.kv import KeyValue
 
 from models.registry import get_model, served_model
 from services.frontend.calls import CallInput, InputState, Prepared
 from services.frontend.outbox import Reply
 from services.frontend.protocol import Append, EndInput, Opening
 from services.frontend.relay import OutputRelay
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection, BusMsg, BusSubscription
+from shared.bus.kv import Bucket
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import (
+    BusError,
     CallTimeout,
     Conflict,
     DuplexError,
+    KeyTaken,
     Overloaded,
     ProtocolError,
 )
-from shared.runtime.process import TaskSet, delete_quietly, every, heartbeat
+from shared.runtime.process import TaskSet, every
 from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
@@ -61,7 +58,7 @@ class Call:
     sink: Sink
     live: bool
     request_id_revision: int = 0  # the KV revision that reserved request_id (0: none)
-    subs: list[Subscription] = field(default_factory=list)
+    subs: list[BusSubscription] = field(default_factory=list)
     relay: OutputRelay = field(default_factory=OutputRelay)
     recovering: bool = False  # a read of the call's outputs from the stream is under way
     fin: wire.Fin | None = None
@@ -85,9 +82,7 @@ class FrontendService:
         self.config = config
         self.frontend_id = frontend_id or subjects.new_process_id("frontend")
         self.calls: dict[str, Call] = {}  # cid -> call
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
-        self.rids: KeyValue | None = None
+        self._bus: BusConnection | None = None
         self.ready = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
         self.tasks = TaskSet()  # heartbeat, timeouts, unsubscribing, output recovery, finishes, aborts
@@ -98,29 +93,61 @@ class FrontendService:
         served_model(self.default_model)
         self.model(self.default_model)
 
+    @property
+    def bus(self) -> BusConnection:
+        if self._bus is None:
+            raise RuntimeError("the frontend has not started")
+        return self._bus
+
+    @property
+    def rids(self) -> Bucket:
+        return self.bus.kv[subjects.KV_REQUEST_IDS]
+
+    @property
+    def frontends(self) -> Bucket:
+        return self.bus.kv[subjects.KV_FRONTENDS]
+
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await bus.connect(self.config, f"duplexbus-{self.frontend_id}", reconnected=self._on_reconnect)
-        self.js = self.nc.jetstream()
-        self.payloads = bus.Payloads(self.nc, self.js, self.config)
-        await bus.ensure_stream(self.js, self.config)
-        kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS])
-        self.rids = kvs[subjects.KV_REQUEST_IDS]
-        fe = kvs[subjects.KV_FRONTENDS]
+        """Returns at once: the bus connection is made in a task of its own, and the frontend
+        is ready (healthz 200, calls taken) once it is and a conductor exists. So the HTTP
+        server answers (503, "starting") while NATS is out of reach, and a stop signal in that
+        time stops it rather than waiting on the connect."""
+        self.tasks.spawn(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            self._bus = await BusConnection.open(
+                self.config,
+                f"duplexbus-{self.frontend_id}",
+                buckets=[subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS],
+                reconnected=self._on_reconnect,
+            )
+        except BusError as e:  # refused (credentials, permissions): it stays not ready, and says why
+            log.error("frontend %s cannot use the bus: %s", self.frontend_id, e)
+            raise
         hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
-        self.tasks.spawn(heartbeat(fe, self.frontend_id, lambda: hb, self.config.heartbeat_s))
+        self.tasks.spawn(self.frontends.heartbeat(self.frontend_id, lambda: hb, self.config.heartbeat_s))
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
-        self.tasks.spawn(self._wait_for_conductor())
+        await self._wait_for_conductor()
 
     async def _wait_for_conductor(self) -> None:
-        """Opens are only published once the conductor's durable consumer exists (it starts at NEW)."""
-        assert self.js is not None
+        """Opens are only published once the conductor's durable consumer exists (it starts at
+        NEW). A bus failure that waiting will not mend (permissions) stops the wait loudly."""
+        complained = False
         while True:
-            with contextlib.suppress(NotFoundError, Exception):
-                await self.js.consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
-                self.ready.set()
-                log.info("frontend %s ready", self.frontend_id)
-                return
+            try:
+                if await self.bus.has_consumer(subjects.CONDUCTOR_DURABLE):
+                    self.ready.set()
+                    log.info("frontend %s ready", self.frontend_id)
+                    return
+            except BusError as e:
+                if not e.recoverable:
+                    log.error("frontend %s cannot start serving: %s", self.frontend_id, e)
+                    raise
+                if not complained:
+                    log.warning("waiting for the conductor: %s", e)
+                    complained = True
             await asyncio.sleep(0.2)
 
     @property
@@ -149,12 +176,9 @@ class FrontendService:
         """Stop intake, drain, then stop the side tasks and leave the bus."""
         await self.drain()
         await self.tasks.close()
-        if self.js is not None:
-            with contextlib.suppress(Exception):
-                fe = await self.js.key_value(subjects.KV_FRONTENDS)
-                await delete_quietly(fe, self.frontend_id)
-        if self.nc is not None:
-            await bus.close(self.nc)
+        if self._bus is not None:
+            await self.frontends.delete_if_there(self.frontend_id)
+            await self._bus.close()
 
     def model(self, name: str | None) -> Model:
         name = name or self.default_model
@@ -168,11 +192,15 @@ class FrontendService:
             )
         return m
 
+    def stream_limits(self, name: str) -> dict[str, int | None]:
+        """max_items per client stream of model `name`, as calls of it are bounded."""
+        self.model(name)
+        return self._limits[name]
+
     # -- calls -----------------------------------------------------------------
     async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[Call], None] | None = None) -> Call:
         """Open a call whose messages go to `sink`; `on_end` runs once when it ends, after its
         last message went to the sink."""
-        assert self.js is not None and self.nc is not None and self.rids is not None
         if not self.ready.is_set():
             raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
         model_name = o.model or self.default_model
@@ -189,15 +217,15 @@ class FrontendService:
         if o.request_id is not None:
             try:
                 revision = await self.rids.create(o.request_id, cid.encode())
-            except KeyWrongLastSequenceError:
+            except KeyTaken:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
         call = Call(cid, o.request_id, inp, sink, live, revision, on_end=on_end)
         self.calls[cid] = call
         try:
-            call.subs.append(await bus.subscribe_direct(self.nc, subjects.out(cid), self._on_out))
-            call.subs.append(await bus.subscribe_direct(self.nc, subjects.fin(cid), self._on_fin))
+            call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self._on_out))
+            call.subs.append(await self.bus.subscribe_direct(subjects.fin(cid), self._on_fin))
             await self._publish_items(cid, prepared)
-            await self.payloads.publish_once(
+            await self.bus.store_once(
                 subjects.open_(cid),
                 wire.encode(
                     wire.Open(
@@ -248,30 +276,26 @@ class FrontendService:
         call.reply({"append": True, "error": error, "status": 409, "late": late})
 
     async def _publish_items(self, cid: str, p: Prepared) -> None:
-        assert self.nc is not None
         for edge, seq, item in p.items:
             body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item), sent_ns=time.time_ns()))
             # Core publish: the stream stores it all the same, with no round trip per append.
             # No Nats-Msg-Id: consumers deduplicate items by seq, and the server's duplicate
             # window would track every item (measured: docs/performance.md).
-            await self.payloads.publish(subjects.input_(cid, edge), body)
+            await self.bus.publish(subjects.input_(cid, edge), body)
 
     async def _publish_ends(self, cid: str, p: Prepared) -> None:
         for edge, total in p.ended.items():
-            await self.payloads.publish_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)))
+            await self.bus.store_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)))
 
     async def abort(self, call: Call, reason: str, status: int, tell_client: bool = False) -> None:
         """End a call from this side (socket closed, timeout, refused append)."""
         if call.cid not in self.calls:
             return
         await self._cleanup(call, {"error": reason, "status": status} if tell_client else None)
-        if self.js is not None:
-            try:
-                await self.js.publish(subjects.abort(call.cid), wire.encode(wire.Abort(reason=reason, status=status)))
-            except Exception as e:
-                # The conductor then ends the call only by its own timeouts (or this frontend's
-                # liveness): its worker goes on until then.
-                log.warning("the abort of call %s (%s) was not published: %s: %s", call.cid, reason, type(e).__name__, e)
+        try:
+            await self.bus.store(subjects.abort(call.cid), wire.encode(wire.Abort(reason=reason, status=status)))
+        except BusError as e:  # the workers then hold the call until its own timeouts end it
+            log.error("call %s: its abort (%s) was not published: %s", call.cid, reason, e)
 
     def abort_soon(self, call: Call, reason: str, status: int) -> None:
         """`abort` in a task of the service's own, for a caller that may be cancelled at any
@@ -286,8 +310,8 @@ class FrontendService:
         drop its subscriptions."""
         self.calls.pop(call.cid, None)
         call.input.close()
-        if call.request_id is not None and self.rids is not None:
-            await bus.release_request_id(self.rids, call.request_id, call.cid, call.request_id_revision)
+        if call.request_id is not None and self._bus is not None:
+            await self.rids.release(call.request_id, call.cid.encode(), call.request_id_revision)
         call.ended.set()
         # No await from here to the owner's forgetting it: the reply and the forgetting are
         # one step for whoever reads the sink.
@@ -298,24 +322,24 @@ class FrontendService:
         subs, call.subs = call.subs, []
         # In a task of its own: unsubscribing from inside that subscription's callback (a fin
         # or the last output) would cancel the callback itself.
-        self.tasks.spawn(bus.unsubscribe_all(subs))
+        self.tasks.spawn(BusConnection.unsubscribe_all(subs))
 
     # -- from the bus ----------------------------------------------------------
-    def _on_out(self, m: Msg) -> None:
-        """Straight from the read loop (bus.subscribe_direct): an output goes to the socket
+    def _on_out(self, m: BusMsg) -> None:
+        """Straight from the read loop (BusConnection.subscribe_direct): an output goes to the socket
         with no task in between; only a large one (in the Object Store) needs one."""
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is None:
             return
         if call.relay.behind or not call.sink.has_room():
             self._fall_behind(call)  # the client is slower than its outputs: this one waits in the stream
-        elif self.payloads.is_stored(m):
+        elif self.bus.is_stored(m):
             self.tasks.spawn(self._accept_stored_output(call, m))
         else:
             self._accept_output(call, m.data)
 
-    async def _accept_stored_output(self, call: Call, m: Msg) -> None:
-        self._accept_output(call, await self.payloads.body(m))
+    async def _accept_stored_output(self, call: Call, m: BusMsg) -> None:
+        self._accept_output(call, await self.bus.body(m))
 
     def _fall_behind(self, call: Call) -> None:
         """Live outputs are not taken until the client has room; then they are read from the
@@ -378,10 +402,8 @@ class FrontendService:
     async def _read_outputs(self, call: Call) -> bool:
         """One read of the call's stored outputs and fin, from where the relay is; False where
         it stopped because the client had no room for more."""
-        assert self.js is not None
         filters = [subjects.out(call.cid), subjects.fin(call.cid)]
-        reader = bus.read_stored(self.js, self.payloads, filters, after=call.relay.read_to)
-        async with contextlib.aclosing(reader) as stored:
+        async with contextlib.aclosing(self.bus.read_stored(filters, after=call.relay.read_to)) as stored:
             async for subject, body, seq in stored:
                 if subjects.parse(subject).kind == subjects.FIN:
                     call.relay.read(seq)
@@ -393,7 +415,7 @@ class FrontendService:
                     self._accept_output(call, body)
         return True
 
-    def _on_fin(self, m: Msg) -> None:
+    def _on_fin(self, m: BusMsg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is not None:
             self.tasks.spawn(self._accept_fin(call, m.data))
