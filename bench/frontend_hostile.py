@@ -24,6 +24,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import resource
 import socket
 import time
@@ -44,13 +45,15 @@ MB = 1024 * 1024
 
 
 def frontend_pid(stack: UpStack) -> int:
-    """The frontend child of `duplexbus up` (found by its command line)."""
+    """The frontend child of this stack's `duplexbus up` (its command line names the role;
+    other stacks on the machine are not this one's children)."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             argv = (d / "cmdline").read_bytes().split(b"\0")
-            if b"frontend" in argv and any(a.endswith(b"duplexbus.cli") for a in argv):
+            if ppid == stack.proc.pid and b"frontend" in argv:
                 return int(d.name)
     raise RuntimeError("no frontend process")
 
@@ -62,13 +65,30 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def sockets(pid: int) -> int:
+    """Sockets the process holds: its clients' connections (and a few of its own)."""
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            n += os.readlink(fd).startswith("socket:")
+    return n
+
+
 class Sampler:
+    """The frontend's RSS and client connections (its sockets beyond those it held before)."""
+
     def __init__(self, pid: int) -> None:
         self.pid, self.peak, self.base = pid, 0.0, rss_mb(pid)
+        self.base_sockets = sockets(pid)
+        self.peak_conns = 0
+
+    def conns(self) -> int:
+        return max(0, sockets(self.pid) - self.base_sockets)
 
     async def run(self) -> None:
         while True:
             self.peak = max(self.peak, rss_mb(self.pid))
+            self.peak_conns = max(self.peak_conns, self.conns())
             await asyncio.sleep(0.2)
 
 
@@ -86,15 +106,17 @@ async def raw_ws(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, 
     return reader, writer, proto
 
 
-async def until_closed(reader: asyncio.StreamReader, proto: ClientProtocol, hold: float) -> str:
+async def until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: ClientProtocol, hold: float) -> str:
     """How the server ended the connection within `hold` seconds: its close code, 'dropped'
-    (no close frame), or 'open'."""
+    (no close frame), or 'open'. Pings are answered, as any client library does."""
+    deadline = time.monotonic() + hold
     try:
         while True:
-            data = await asyncio.wait_for(reader.read(65536), hold)
+            data = await asyncio.wait_for(reader.read(65536), max(0.01, deadline - time.monotonic()))
             if not data:
                 break
             proto.receive_data(data)
+            writer.write(b"".join(proto.data_to_send()))
     except TimeoutError:
         return "open"
     except ConnectionError:
@@ -114,7 +136,7 @@ async def fragments(url: str, hold: float, n: int = 40, mb: int = 30) -> Counter
                 await writer.drain()
         except (ConnectionError, OSError):
             pass
-        return await until_closed(reader, proto, hold)
+        return await until_closed(reader, writer, proto, hold)
 
     try:
         return Counter(await asyncio.gather(*(send(*c) for c in conns)))
@@ -140,12 +162,10 @@ async def unread(url: str, hold: float, n: int = 20, audio_s: float = 460.0) -> 
             for _ in range(int(audio_s / 2)):
                 await ws.send(json.dumps({"request_id": rid, "append": [frame]}))
             t0 = time.monotonic()
-            while time.monotonic() - t0 < hold:
+            while time.monotonic() - t0 < hold:  # silent now, never reading
                 await asyncio.sleep(0.5)
-                if ws.protocol.state is State.CLOSED:
-                    return "dropped"
-                with contextlib.suppress(ConnectionError, websockets.ConnectionClosed):
-                    await ws.send(json.dumps({"request_id": rid, "append": [frame]}))  # still sending, never reading
+                if ws.protocol.state is State.CLOSED or ws.transport.is_closing():
+                    return f"dropped within {10 * (1 + int((time.monotonic() - t0) // 10))} s of going silent"
             return "open"
         except websockets.ConnectionClosed:
             return "dropped"
@@ -164,7 +184,7 @@ async def idle(url: str, hold: float, n: int = 2000) -> Counter[str]:
         except (ConnectionError, OSError, websockets.InvalidMessage, websockets.InvalidStatus):
             refused += 1
     try:
-        out = Counter(await asyncio.gather(*(until_closed(r, p, hold) for r, _, p in conns)))
+        out = Counter(await asyncio.gather(*(until_closed(r, w, p, hold) for r, w, p in conns)))
         if refused:
             out["refused at connect"] = refused
         return out
@@ -195,6 +215,8 @@ async def headers(url: str, hold: float, n: int = 400) -> Counter[str]:
             w.close()
 
 
+HOLD_S = {"idle": 130.0, "unread": 90.0}  # past socket_idle_timeout_s (120 s); the output takes a while to come
+
 LOADS: dict[str, Callable[[str, float], Awaitable[Counter[str]]]] = {
     "fragments": fragments,
     "unread": unread,
@@ -212,21 +234,23 @@ async def main() -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     print(f"machine: {machine()}")
-    print("| load | RSS before (MB) | peak (MB) | at the end of the hold (MB) | how the clients' connections ended |")
-    print("|---|---|---|---|---|")
-    with UpStack("echo", config=json.loads(args.config)) as stack:
-        pid = frontend_pid(stack)
-        for name in args.loads.split(","):
+    head = ["load", "RSS before (MB)", "peak (MB)", "at the end of the hold (MB)", "client connections held: most, at the end"]
+    print("| " + " | ".join([*head, "what the clients saw"]) + " |")
+    print("|---|---|---|---|---|---|")
+    for name in args.loads.split(","):
+        with UpStack("echo", config=json.loads(args.config)) as stack:  # a fresh frontend for each load
+            pid = frontend_pid(stack)
             sampler = Sampler(pid)
             task = asyncio.create_task(sampler.run())
             t0 = time.monotonic()
-            ends = await LOADS[name](stack.ws_url(), args.hold)
-            end = rss_mb(pid)
+            ends = await LOADS[name](stack.ws_url(), max(args.hold, HOLD_S.get(name, 0.0)))
+            end, left = rss_mb(pid), sampler.conns()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             how = ", ".join(f"{k}: {v}" for k, v in sorted(ends.items()))
-            print(f"| {name} | {sampler.base:.0f} | {sampler.peak:.0f} | {end:.0f} | {how} ({time.monotonic() - t0:.0f} s) |")
-            await asyncio.sleep(3)
+            took = time.monotonic() - t0
+            row = [name, f"{sampler.base:.0f}", f"{sampler.peak:.0f}", f"{end:.0f}", f"{sampler.peak_conns}, {left}"]
+            print("| " + " | ".join([*row, f"{how} ({took:.0f} s)"]) + " |", flush=True)
 
 
 if __name__ == "__main__":
