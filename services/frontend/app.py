@@ -102,7 +102,11 @@ class OneShot:
             self.call = await self.service.open_call(msg, self.outbox, on_end=lambda _: self.outbox.close())
         except DuplexError as e:
             return error_response(msg.request_id, e)
-        return StreamingResponse(self._lines(self.call), media_type="application/x-ndjson")
+        # Watched from now: a client that leaves before the response starts ends its call too.
+        # Under ASGI 2.3 Starlette also watches (and cancels _lines); under 2.4 only this
+        # does. Both end in abort_soon, which aborts once.
+        watcher = self.service.tasks.spawn(self._abort_when_gone(self.call))
+        return StreamingResponse(self._lines(self.call, watcher), media_type="application/x-ndjson")
 
     async def _read_body(self) -> bytes | DuplexError:
         """The body, in a task of its own that the guard may end (`shed`)."""
@@ -153,10 +157,7 @@ class OneShot:
         if self.call is not None:
             self.service.abort_soon(self.call, err.message, err.status)
 
-    async def _lines(self, call: Call) -> AsyncIterator[bytes]:
-        # Under ASGI 2.3 Starlette also watches (and cancels this generator); under 2.4 only
-        # the watcher does. Both end in abort_soon, which aborts once.
-        watcher = self.service.tasks.spawn(self._abort_when_gone(call))
+    async def _lines(self, call: Call, watcher: asyncio.Task[Any]) -> AsyncIterator[bytes]:
         try:
             # Ended by the outbox, which closes once the call's last message is in it.
             while (msg := await self.outbox.get()) is not None:
@@ -172,6 +173,7 @@ class OneShot:
         sends nothing for a while: so watch the connection (its body is read by now)."""
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
+        self._release()
         self.service.abort_soon(call, "client went away", 499)
 
 
