@@ -1,17 +1,17 @@
-"""The `duplexbus` command: up, frontend, conductor, worker, call, replay, nats."""
+"""The `duplexbus` command: up, frontend, conductor, worker, call, replay, nats, health."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from shared.runtime.config import ServingConfig, load_config
 from shared.runtime.errors import ConfigError
-from shared.runtime.process import install_stop_signals, setup_logging, tune_gc
 
 
 def _config(args: argparse.Namespace) -> ServingConfig:
@@ -20,6 +20,7 @@ def _config(args: argparse.Namespace) -> ServingConfig:
 
 def _serve(run: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run a service until SIGINT/SIGTERM, after freezing what start-up loaded out of the GC."""
+    from shared.runtime.process import install_stop_signals, tune_gc
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -38,6 +39,7 @@ def _serve(run: Callable[[asyncio.Event], Awaitable[None]]) -> int:
 
 def cmd_conductor(args: argparse.Namespace) -> int:
     from services.conductor.service import ConductorService
+    from shared.runtime.process import setup_logging
 
     setup_logging("conductor")
     return _serve(ConductorService(_config(args)).run)
@@ -45,10 +47,44 @@ def cmd_conductor(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from services.worker.service import WorkerService
+    from shared.runtime.process import setup_logging
 
     setup_logging("worker")
     cfg = _config(args)
-    return _serve(WorkerService(cfg, cfg.model, args.partition or None).run)
+    return _serve(WorkerService(cfg, cfg.model, worker_partitions(args.partition)).run)
+
+
+PARTITIONS_ENV = "DUPLEXBUS_PARTITIONS"
+
+
+def worker_partitions(flags: list[str] | None) -> list[str] | None:
+    """--partition, else $DUPLEXBUS_PARTITIONS (comma-separated), else None: every partition.
+    A generic container runs any model's partitions without naming them in its command."""
+    if flags:
+        return flags
+    named = [p.strip() for p in os.environ.get(PARTITIONS_ENV, "").split(",") if p.strip()]
+    return named or None
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when this container's service is healthy, 1 (saying why) when not."""
+    if args.url:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(args.url, timeout=args.timeout) as r:
+                return 0 if r.status == 200 else 1
+        except (OSError, urllib.error.URLError) as e:
+            print(f"unhealthy: {args.url}: {e}", file=sys.stderr)
+            return 1
+    from shared.runtime.health import unhealthy
+
+    why = unhealthy(args.max_age or _config(args).liveness_s)
+    if why:
+        print(f"unhealthy: {why}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
@@ -56,6 +92,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     from services.frontend.app import create_app
     from services.frontend.websocket import FrontendWebSocketProtocol
+    from shared.runtime.process import setup_logging, tune_gc
 
     setup_logging("frontend")
     cfg = _config(args)
@@ -159,8 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     wo = sub.add_parser("worker", help="run partitions of the model")
     common(wo)
-    wo.add_argument("--partition", action="append", help="partition to run (repeatable; default all)")
+    wo.add_argument(
+        "--partition",
+        action="append",
+        help=f"partition to run (repeatable; default: ${PARTITIONS_ENV}, comma-separated, else every partition)",
+    )
     wo.set_defaults(fn=cmd_worker)
+
+    he = sub.add_parser("health", help="container healthcheck: exit 0 when this container's service works")
+    he.add_argument("--config", help="serving config YAML (or $DUPLEXBUS_CONFIG): its liveness_s is the default --max-age")
+    he.add_argument("--url", help="healthy when this URL answers 200 (a frontend's /healthz)")
+    he.add_argument("--max-age", type=float, help="the service's last beat may be this old, in seconds")
+    he.add_argument("--timeout", type=float, default=3.0, help="for --url, in seconds")
+    he.set_defaults(fn=cmd_health)
 
     na = sub.add_parser("nats", help="run the embedded nats-server in the foreground")
     na.add_argument("--store", default=".run/nats")

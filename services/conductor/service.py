@@ -25,6 +25,7 @@ from services.conductor import core
 from services.conductor.liveness import Liveness
 from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.runtime import health
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import DuplexError
 from shared.runtime.process import TaskSet
@@ -80,6 +81,7 @@ class ConductorService:
                     tg.create_task(self._watch(subjects.KV_FRONTENDS)),
                     tg.create_task(self._ticks()),
                     tg.create_task(self._process()),
+                    tg.create_task(self._beat()),
                 ]
                 await stop.wait()
                 for t in tasks:
@@ -226,6 +228,15 @@ class ConductorService:
         if bucket == subjects.KV_WORKERS:
             with contextlib.suppress(DuplexError):
                 await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
+
+    async def _beat(self) -> None:
+        """The container healthcheck's sign of life: NATS answered a round trip just now."""
+        assert self.nc is not None
+        while True:
+            with contextlib.suppress(Exception):  # no answer: no beat, and the check fails
+                await self.nc.flush(timeout=self.config.heartbeat_s)
+                health.beat()
+            await asyncio.sleep(self.config.heartbeat_s)
 
     async def _ticks(self) -> None:
         while True:

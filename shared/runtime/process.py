@@ -13,6 +13,8 @@ from typing import Any
 
 from nats.js.kv import KeyValue
 
+from shared.runtime import health
+
 log = logging.getLogger(__name__)
 
 
@@ -46,6 +48,7 @@ async def every(period: float, fn: Callable[[], Awaitable[None]], what: str) -> 
 async def heartbeat(kv: KeyValue, key: str, payload: Callable[[], bytes], period: float) -> None:
     async def beat() -> None:
         await kv.put(key, payload())
+        health.beat()  # stored: the conductor sees this process alive, and so may a healthcheck
 
     await every(period, beat, f"heartbeat {key}")
 
