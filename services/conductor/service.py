@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -234,7 +235,7 @@ class ConductorService:
         assert self.nc is not None
         while True:
             with contextlib.suppress(Exception):  # no answer: no beat, and the check fails
-                await self.nc.flush(timeout=self.config.heartbeat_s)
+                await self.nc.flush(timeout=math.ceil(self.config.heartbeat_s))
                 health.beat()
             await asyncio.sleep(self.config.heartbeat_s)
 
