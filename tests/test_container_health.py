@@ -17,8 +17,9 @@ import pytest
 from duplexbus.cli import main, worker_partitions
 from services.conductor.service import ConductorService
 from shared.bus.embedded import free_port
+from shared.bus.failures import Denials
+from shared.bus.kv import Bucket
 from shared.runtime.config import ServingConfig, load_config
-from shared.runtime.process import heartbeat
 
 
 @pytest.fixture
@@ -87,7 +88,8 @@ class _KV:
 @pytest.mark.parametrize("stored", [True, False])
 async def test_a_heartbeat_beats_only_once_stored(health_file: Path, stored: bool) -> None:
     kv = _KV(fail=not stored)
-    task = asyncio.create_task(heartbeat(kv, "worker-1", lambda: b"hb", 0.05))  # type: ignore[arg-type]
+    bucket = Bucket(kv, "duplex_workers", Denials())  # type: ignore[arg-type]
+    task = asyncio.create_task(bucket.heartbeat("worker-1", lambda: b"hb", 0.05))
     while kv.puts < 2:
         await asyncio.sleep(0.01)
     task.cancel()
@@ -95,12 +97,12 @@ async def test_a_heartbeat_beats_only_once_stored(health_file: Path, stored: boo
     assert health_file.exists() == stored
 
 
-class _NC:
+class _Bus:
     def __init__(self, fail: bool) -> None:
         self.fail = fail
         self.flushes = 0
 
-    async def flush(self, timeout: float) -> None:
+    async def round_trip(self, timeout: float) -> None:
         self.flushes += 1
         if self.fail:
             raise TimeoutError("no PONG")
@@ -109,8 +111,8 @@ class _NC:
 @pytest.mark.parametrize("answers", [True, False])
 async def test_the_conductor_beats_when_nats_answers(health_file: Path, answers: bool) -> None:
     svc = ConductorService(ServingConfig(heartbeat_s=0.05))
-    nc = _NC(fail=not answers)
-    svc.nc = nc  # type: ignore[assignment]
+    nc = _Bus(fail=not answers)
+    svc._bus = nc  # type: ignore[assignment]
     task = asyncio.create_task(svc._beat())
     while nc.flushes < 2:
         await asyncio.sleep(0.01)

@@ -107,3 +107,14 @@ class Framer:
         last[: len(self._rest)] = self._rest
         self._rest = np.zeros(0, dtype=self.dtype)
         return last
+
+
+def resample_pcm16(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """PCM16 samples at another rate, through soxr (a real band-limited resampler: no aliasing,
+    unlike linear interpolation). The same array where the rates are equal."""
+    if from_rate == to_rate or len(samples) == 0:
+        return np.asarray(samples, dtype="<i2")
+    import soxr  # only where audio is converted: most processes never resample
+
+    out = soxr.resample(np.asarray(samples, dtype=np.float32) / 32768.0, from_rate, to_rate, quality="HQ")
+    return np.clip(np.round(out * 32768.0), -32768, 32767).astype("<i2")
