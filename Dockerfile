@@ -16,7 +16,7 @@ RUN python -m venv "$VIRTUAL_ENV"
 COPY deploy/install.sh /usr/local/bin/duplexbus-install
 COPY wheelhouse/ /wheelhouse/
 # pyproject.toml alone first: the dependency layer is rebuilt only when it changes.
-COPY pyproject.toml README.md /src/
+COPY pyproject.toml /src/
 
 FROM build-base AS build-cpu
 RUN duplexbus-install deps cpu
