@@ -28,19 +28,20 @@ from shared.sdk.audio import read_wav as parse_wav
 SAMPLE_RATE = 16_000
 
 
-def read_wav(path: str) -> tuple[np.ndarray, int]:
-    """Samples and rate of a mono 16-bit 16 kHz WAV; SystemExit with the reason otherwise."""
+def read_wav(path: str, rate: int | None = SAMPLE_RATE) -> tuple[np.ndarray, int]:
+    """Samples and rate of a mono 16-bit WAV at `rate` (any rate where None); SystemExit with
+    the reason otherwise."""
     try:
-        channels, width, rate, frames = parse_wav(Path(path).read_bytes())
+        channels, width, got, frames = parse_wav(Path(path).read_bytes())
     except OSError as e:
         raise SystemExit(f"{path}: cannot read: {e}") from None
     except WAV_ERRORS as e:
         raise SystemExit(f"{path}: not a readable WAV file: {e}") from None
-    wrong = pcm16_mono_mismatch(channels, width, rate, SAMPLE_RATE)
+    wrong = pcm16_mono_mismatch(channels, width, got, rate or got)
     if wrong:
-        hint = "; resample it first" if rate != SAMPLE_RATE else ""
+        hint = "; resample it first" if rate and got != rate else ""
         raise SystemExit(f"{path}: expected {wrong}{hint}")
-    return np.frombuffer(frames, dtype="<i2"), rate
+    return np.frombuffer(frames, dtype="<i2"), got
 
 
 def pcm_file(samples: np.ndarray) -> dict[str, str]:

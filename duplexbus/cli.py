@@ -1,4 +1,4 @@
-"""The `duplexbus` command: up, frontend, conductor, worker, call, replay, nats."""
+"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats."""
 
 from __future__ import annotations
 
@@ -119,6 +119,12 @@ def cmd_call(args: argparse.Namespace) -> int:
     return asyncio.run(run_call(args))
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clients.eval.command import run
+
+    return asyncio.run(run(args))
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from clients.replay import run_replay
 
@@ -177,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--request-id")
     ca.add_argument("--quiet", action="store_true")
     ca.set_defaults(fn=cmd_call)
+
+    from clients.eval.command import add_parser as add_eval
+
+    add_eval(sub).set_defaults(fn=cmd_eval)
 
     rp = sub.add_parser("replay", help="print every message of a call from the stream")
     rp.add_argument("cid")
