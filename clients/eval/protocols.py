@@ -212,7 +212,7 @@ class Realtime(Protocol):
         if kind == "response.created":
             return [Event(Kind.REPLY_START, kind)]
         if kind == "response.done":
-            resp = m.get("response") if isinstance(m.get("response"), dict) else {}
+            resp = _dict(m.get("response"))
             status = str(resp.get("status", ""))
             return [Event(Kind.REPLY_END, kind, code=status, failed=status == "failed", text=_status_reason(resp))]
         if kind == "input_audio_buffer.committed":
@@ -220,13 +220,13 @@ class Realtime(Protocol):
         if kind == _TRANSCRIPTION_DONE:
             return [Event(Kind.TRANSCRIPT, kind, text=str(m.get("transcript", "")))]
         if kind in ("session.created", "session.updated"):
-            sess = m.get("session") if isinstance(m.get("session"), dict) else {}
+            sess = _dict(m.get("session"))
             if sess.get("id"):
                 self.call_id = str(sess["id"])
             self._output_rate(sess)
             return [Event(Kind.SESSION, kind, call_id=self.call_id)]
         if kind == "error":
-            err = m.get("error") if isinstance(m.get("error"), dict) else {}
+            err = _dict(m.get("error"))
             code = str(err.get("code") or err.get("type") or "error")
             return [Event(Kind.ERROR, kind, code=code, text=str(err.get("message", "")))]
         if kind.startswith(("input_audio_buffer.", "conversation.item.")):
@@ -235,13 +235,17 @@ class Realtime(Protocol):
 
     def _output_rate(self, sess: dict[str, Any]) -> None:
         """The rate the server will send reply audio at, where it says: the session's output format."""
-        fmt = sess.get("audio", {}).get("output", {}).get("format") if isinstance(sess.get("audio"), dict) else None
-        if isinstance(fmt, dict) and isinstance(fmt.get("rate"), int) and fmt["rate"] > 0:
+        fmt = _dict(_dict(_dict(sess.get("audio")).get("output")).get("format"))
+        if isinstance(fmt.get("rate"), int) and fmt["rate"] > 0:
             self.out_rate = fmt["rate"]
 
     def commit_redundant(self, ev: Event) -> bool:
         # With server VAD the server may have committed everything itself already.
         return ev.kind is Kind.ERROR and ev.code == COMMIT_EMPTY
+
+
+def _dict(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
 
 
 def _status_reason(resp: dict[str, Any]) -> str:

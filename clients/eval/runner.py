@@ -50,7 +50,9 @@ class Sample:
 
     @property
     def duration_s(self) -> float:
-        return len(self.pcm) / self.rate
+        """How long the input takes to send at its pace (a schedule may pause)."""
+        audio_s = len(self.pcm) / self.rate
+        return max(audio_s, self.schedule[-1][0]) if self.schedule else audio_s
 
 
 @dataclass
