@@ -117,7 +117,8 @@ def _output(msg: wire.OutputMsg) -> str:
     if "type" in o:
         parts.append(str(o["type"]))
     if isinstance(o.get("audio"), str):
-        parts.append(f"audio {len(o['audio']) * 3 // 4} B")
+        b64: str = o["audio"]
+        parts.append(f"audio {len(b64) * 3 // 4 - b64[-2:].count('=')} B")
     if isinstance(o.get("rms"), float | int):
         parts.append(f"rms {o['rms']:.0f}")
     if o.get("text"):
@@ -265,16 +266,17 @@ async def read_call(conn: BusConnection, cid: str, follow: bool = False) -> Asyn
             return
 
 
-def _choose(refs: list[CallRef], key: str, out: Callable[[str], None]) -> CallRef | None:
+def _choose(refs: list[CallRef], key: str, out: Callable[[str], None]) -> tuple[CallRef | None, int]:
+    """The one call named, or (None, exit status) after saying why there is none or listing them all."""
     if len(refs) == 1:
-        return refs[0]
+        return refs[0], 0
     if not refs:
         out(f"no call with cid or request_id {key!r} in {subjects.STREAM}")
-        return None
+        return None, 1
     out(f"{len(refs)} calls with request_id {key!r} (oldest first); replay one by its cid:")
     for r in refs:
         out(f"  {r.cid}  opened {_utc(r.opened_ns)}  model {r.model}")
-    return None
+    return None, 0
 
 
 def _utc(ns: int) -> str:
@@ -296,9 +298,9 @@ async def _replay(conn: BusConnection, args: argparse.Namespace) -> int:
     key: str = args.call
     cid = await live_call(conn, key) if args.follow and not subjects.is_cid(key) else None
     if cid is None:
-        ref = _choose(await find_calls(conn, key), key, lambda line: print(line))
+        ref, status = _choose(await find_calls(conn, key), key, print)
         if ref is None:
-            return 1
+            return status
         cid = ref.cid
     if args.follow:
         table = Table()
