@@ -36,6 +36,7 @@ def echo_corpus(folder: Path) -> list[np.ndarray]:
     folder.mkdir()
     for i, c in enumerate(clips):
         (folder / f"clip{i}.wav").write_bytes(encode_wav(c, 16000))
+    (folder / "clip0.txt").write_text("a reference that echo's check ignores\n")
     return clips
 
 
@@ -55,6 +56,7 @@ async def test_echo_over_generate_ws_is_byte_exact(echo_stack: Stack, tmp_path: 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs, summary = results(out)
     assert summary["samples"] == summary["ok"] == summary["echo_exact"] == 3 and summary["failed"] == 0
+    assert summary["wer"] is None  # echo's quality is byte-exactness, not words
     assert all(r["ok"] and r["echo_exact"] and r["retries"] == 0 for r in recs)
     by_name = {r["sample"]: r for r in recs}
     for i, clip in enumerate(clips):

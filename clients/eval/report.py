@@ -100,7 +100,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         return _r(percentile([r[key] for r in ok if r[key] is not None], p))
 
     gaps = [r["gap_p95_s"] for r in ok if r["gap_p95_s"] is not None]
-    scored = [r for r in ok if r["reference"] is not None]
+    scored = [r for r in ok if r["wer"] is not None]  # a reference, and not an echo check
     wer, errors, words = word_error_rate([r["reference"] for r in scored], [r["hypothesis"] for r in scored])
     out: dict[str, Any] = {
         "samples": len(records),
