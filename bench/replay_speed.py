@@ -26,7 +26,7 @@ import numpy as np
 import websockets
 
 from bench.stack import UpStack, machine
-from clients.replay import read_call, raw, timeline, write_audio
+from clients.replay import raw, read_call, timeline, write_audio
 from models.echo import FRAME
 from shared.bus import wire
 from shared.bus.connection import BusConnection

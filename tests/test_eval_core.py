@@ -186,12 +186,17 @@ def test_realtime_events_by_their_ga_and_beta_names() -> None:
     assert p.commit_redundant(empty)
     p.classify(json.dumps({"type": "session.updated", "session": {"audio": {"output": {"format": {"rate": 16000}}}}}))
     assert p.out_rate == 16000  # the rate the server says it sends wins
+    p.classify(json.dumps({"type": "session.updated", "session": {"audio": {"output": {"format": {"sample_rate_hz": 22050}}}}}))
+    assert p.out_rate == 22050
 
 
 def test_realtime_session_declares_the_clip_rate_and_turn_detection() -> None:
     sess = Realtime(16000, turn_detection=None).session()
     assert sess["audio"]["input"] == {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None}
-    assert Realtime(8000).session()["audio"]["input"]["turn_detection"] == {"type": "server_vad"}
+    vad = Realtime(8000, turn_detection="server_vad")
+    assert vad.session()["audio"]["input"]["turn_detection"] == {"type": "server_vad"}
+    assert vad.end_input() == [] and not vad.commit_acked  # the server's turn-taking commits, not the client
+    assert Realtime(8000).commit_acked
     msgs = [json.loads(m) for m in Realtime(16000, response_create=True).end_input()]
     assert [m["type"] for m in msgs] == ["input_audio_buffer.commit", "response.create"]
     assert len({m["event_id"] for m in msgs}) == 2

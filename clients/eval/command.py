@@ -125,7 +125,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     rt = ev.add_argument_group("realtime")
     rt.add_argument(
-        "--turn-detection", choices=["server_vad", "none"], default="server_vad", help="session.audio.input.turn_detection"
+        "--turn-detection",
+        choices=["none", "server_vad"],
+        default="none",
+        help="none: the eval commits at the end of each clip; server_vad: the server's turn-taking ends it (no commit)",
     )
     rt.add_argument("--response-create", action="store_true", help="send response.create after each commit")
     rt.add_argument("--transcription-model", help="ask for input transcription with this model (its transcript is scored)")

@@ -144,23 +144,27 @@ COMMIT_EMPTY = "input_audio_buffer_commit_empty"
 
 
 class Realtime(Protocol):
-    """`turn_detection`: "server_vad", or None for manual commits. `response_create`: send
-    `response.create` after each commit (servers that answer a manual commit only when asked)."""
+    """`turn_detection`: None for manual commits (the end of input is a commit, acknowledged
+    by `input_audio_buffer.committed`), or "server_vad": the server's own turn-taking decides,
+    so nothing is committed (duplexbus refuses a commit in that mode; OpenAI commits by
+    itself) and the end of input is the end of the clip, padding going on from there.
+    `response_create`: send `response.create` after the commit (servers that answer a manual
+    commit only when asked)."""
 
     name = "realtime"
     pads_after_end = True
-    commit_acked = True
 
     def __init__(
         self,
         rate: int,
         model: str | None = None,
-        turn_detection: str | None = "server_vad",
+        turn_detection: str | None = None,
         response_create: bool = False,
         transcription_model: str | None = None,
     ) -> None:
         super().__init__(rate, model)
         self.turn_detection = turn_detection
+        self.commit_acked = turn_detection is None
         self.response_create = response_create
         self.transcription_model = transcription_model
         self.out_rate = rate  # asked for in session.update; the server's session says what it took
@@ -195,6 +199,8 @@ class Realtime(Protocol):
         return self._event("input_audio_buffer.append", audio=pybase64.b64encode(pcm).decode("ascii"))
 
     def end_input(self) -> list[str]:
+        if self.turn_detection is not None:
+            return []
         out = [self._event("input_audio_buffer.commit")]
         if self.response_create:
             out.append(self._event("response.create"))
@@ -236,8 +242,9 @@ class Realtime(Protocol):
     def _output_rate(self, sess: dict[str, Any]) -> None:
         """The rate the server will send reply audio at, where it says: the session's output format."""
         fmt = _dict(_dict(_dict(sess.get("audio")).get("output")).get("format"))
-        if isinstance(fmt.get("rate"), int) and fmt["rate"] > 0:
-            self.out_rate = fmt["rate"]
+        rate = fmt.get("rate", fmt.get("sample_rate_hz"))  # duplexbus says sample_rate_hz for rates other than 24 kHz
+        if isinstance(rate, int) and rate > 0:
+            self.out_rate = rate
 
     def commit_redundant(self, ev: Event) -> bool:
         # With server VAD the server may have committed everything itself already.

@@ -63,7 +63,7 @@ class Options:
     pace: str = "realtime"  # or "fast": appends as fast as the socket takes them
     append_ms: int = 80
     bounds: Bounds = field(default_factory=Bounds)
-    turn_detection: str | None = "server_vad"
+    turn_detection: str | None = None
     response_create: bool = False
     transcription_model: str | None = None
     headers: dict[str, str] = field(default_factory=dict)

@@ -28,6 +28,7 @@ from services.frontend.protocol import (
     parse_message,
     valid_request_id,
 )
+from services.frontend.realtime.endpoint import RealtimeHub
 from services.frontend.service import Call, FrontendService, Reply, to_json
 from services.frontend.websocket import DRAIN, SEND_NOW
 from shared.runtime.config import ServingConfig
@@ -262,6 +263,11 @@ def _abort_soon(svc: FrontendService, call: Call) -> None:
 
 def create_app(config: ServingConfig, service: FrontendService | None = None) -> Starlette:
     svc = service or FrontendService(config)
+    hub = RealtimeHub(svc)
+
+    async def realtime_ws(ws: WebSocket) -> None:
+        """`WS /v1/realtime?model=NAME`: the OpenAI Realtime API (docs/realtime.md)."""
+        await hub.serve(ws)
 
     async def generate_ws(ws: WebSocket) -> None:
         await ws.accept()
@@ -370,6 +376,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         try:
             yield {DRAIN: svc.drain}  # the WebSocket protocol drains before it closes its socket
         finally:
+            await hub.close()
             await svc.close()
 
     routes = [
@@ -377,6 +384,7 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
         Route("/healthz", healthz),
         Route("/generate", generate, methods=["POST"]),
         WebSocketRoute("/generate/ws", generate_ws),
+        WebSocketRoute("/v1/realtime", realtime_ws),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.service = svc

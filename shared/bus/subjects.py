@@ -30,6 +30,7 @@ DONE = "done"
 FIN = "fin"
 ABORT = "abort"
 PLACED = "placed"
+REALTIME = "rt"
 
 _PREFIX = "call"
 
@@ -96,6 +97,12 @@ def consumed(cid: str, edge_name: str) -> str:
 def placed(cid: str, worker_id: str) -> str:
     """A worker took partitions of the call (stored before its catch-up read: see wire.Placed)."""
     return f"{_PREFIX}.{cid}.{PLACED}.{worker_id}"
+
+
+def realtime(cid: str) -> str:
+    """The realtime events a `/v1/realtime` session sent its client, in order: what a
+    resuming client missed is read back from here (and a replay shows them)."""
+    return f"{_PREFIX}.{cid}.{REALTIME}"
 
 
 def call_all(cid: str) -> str:
