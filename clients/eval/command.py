@@ -144,8 +144,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     w.add_argument(
         "--quiet",
         type=float,
-        default=2.0,
-        help="the reply has drained after this long without reply activity (and no response open)",
+        default=5.0,
+        help="the reply has drained after this long without reply activity (and no response open); "
+        "it must outlast the slowest wait for a reply",
     )
     w.add_argument(
         "--close-timeout", type=float, default=5.0, help="the close: the call's finish (generate-ws) and the close handshake"

@@ -83,7 +83,7 @@ class Bounds:
     input_slack_s: float = 10.0  # the input stream may take the clip's duration plus this
     commit_s: float = 10.0
     drain_s: float = 60.0  # from the end of input to the reply's drain
-    quiet_s: float = 2.0  # no reply activity this long (and no reply open): drained
+    quiet_s: float = 5.0  # no reply activity this long (and no reply open): drained
     close_s: float = 5.0  # the inner close (the server's goodbye)
     close_grace_s: float = 2.0  # the outer close wait is close_s + this, so the inner one can finish
 
