@@ -11,6 +11,14 @@ ENV VIRTUAL_ENV=/opt/duplexbus \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 
+# The project's source, once for both builds below.
+FROM scratch AS source
+COPY duplexbus /src/duplexbus
+COPY shared /src/shared
+COPY services /src/services
+COPY models /src/models
+COPY clients /src/clients
+
 FROM base AS build-base
 RUN python -m venv "$VIRTUAL_ENV"
 COPY deploy/install.sh /usr/local/bin/duplexbus-install
@@ -20,20 +28,12 @@ COPY pyproject.toml /src/
 
 FROM build-base AS build-cpu
 RUN duplexbus-install deps cpu
-COPY duplexbus /src/duplexbus
-COPY shared /src/shared
-COPY services /src/services
-COPY models /src/models
-COPY clients /src/clients
+COPY --from=source /src/ /src/
 RUN duplexbus-install app
 
 FROM build-base AS build-cuda
 RUN duplexbus-install deps cuda
-COPY duplexbus /src/duplexbus
-COPY shared /src/shared
-COPY services /src/services
-COPY models /src/models
-COPY clients /src/clients
+COPY --from=source /src/ /src/
 RUN duplexbus-install app
 
 FROM base AS runtime

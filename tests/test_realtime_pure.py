@@ -14,7 +14,6 @@ import pytest
 from models.echo import FRAME, EchoModel
 from models.voice_assistant.realtime import VoiceAssistantRealtime
 from services.frontend.realtime import events as ev
-from services.frontend.realtime.audio import Resampler
 from services.frontend.realtime.session import (
     Close,
     EndInput,
@@ -25,7 +24,7 @@ from services.frontend.realtime.session import (
     SessionState,
     event_number,
 )
-from shared.sdk.audio import b64_pcm16
+from shared.sdk.audio import Resampler, b64_pcm16
 from shared.sdk.realtime import RealtimeMapping
 from tests.realtime_helpers import MANUAL_16K, audio_of, check_event, check_responses, snr_db, tone
 
@@ -231,6 +230,26 @@ def test_response_cancel_ends_the_response_once_and_drops_the_rest() -> None:
     assert len(audio_of(h.events)) == 2 * FRAME * 2
     err = h.send({"type": "response.cancel", "event_id": "again"})
     assert err[0]["error"]["code"] == "response_cancel_not_active"
+
+
+def test_a_reply_that_overtakes_its_response_create_is_that_requests_response() -> None:
+    """Manual turns: a quick model can reply to a commit, and finish, before the client's
+    response.create arrives. That request is answered by the reply already sent: no second,
+    empty response (which would end `incomplete` after response_wait_s)."""
+    h = Harness()
+    h.send(MANUAL_16K)
+    for clip in (tone(0.16, 16000), tone(0.08, 16000, hz=660)):
+        h.append(clip)
+        h.send({"type": "input_audio_buffer.commit"})
+        h.run_echo()  # the whole reply, before the request
+        h.send({"type": "response.create"})
+        assert h.s.response is None
+        assert h.take(h.s.tick(60.0)) == []
+    assert h.types().count("response.done") == 2
+    # With no committed turn unanswered, response.create makes a response of its own.
+    h.send({"type": "response.create"}, now=100.0)
+    assert h.s.response is not None and h.s.response.state is ResponseState.WAITING
+    check_responses(h.events, closed=False)
 
 
 def test_a_requested_response_with_no_reply_ends_incomplete() -> None:

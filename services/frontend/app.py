@@ -370,6 +370,10 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             return FileResponse(page)
         return JSONResponse({"service": "duplexbus", "ws": "/generate/ws"})
 
+    async def favicon(request: Request) -> Response:
+        # A browser asks for /favicon.ico whatever the page says: both get the one icon.
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         await svc.start()
@@ -382,6 +386,8 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
     routes = [
         Route("/", index),
         Route("/healthz", healthz),
+        Route("/favicon.svg", favicon),
+        Route("/favicon.ico", favicon),
         Route("/generate", generate, methods=["POST"]),
         WebSocketRoute("/generate/ws", generate_ws),
         WebSocketRoute("/v1/realtime", realtime_ws),

@@ -36,6 +36,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.bus import subjects
 from shared.bus.failures import Denials, mapped
+from shared.bus.history import Stored, read_history
 from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
@@ -383,6 +384,11 @@ class BusConnection:
                     await self._js.delete_consumer(subjects.STREAM, info.name)
             except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
                 log.debug("deleting a read's consumer: %s", e)
+
+    def history(self, filters: list[str], *, follow: bool = False, since: float | None = None) -> AsyncGenerator[Stored, None]:
+        """What the stream holds on `filters` with its timestamps, oldest first, read fast (a
+        push consumer: see history.py); with `follow`, then what it stores next."""
+        return read_history(self._nc, self._js, self.payloads, self._denials, filters, follow, since)
 
     # -- service discovery -----------------------------------------------------
     async def announce(

@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 
 from services.frontend.realtime import events as ev
-from services.frontend.realtime.audio import Resampler, resample
 from shared.runtime.states import checked
-from shared.sdk.audio import b64_pcm16
+from shared.sdk.audio import Resampler, b64_pcm16, resample_pcm16
 from shared.sdk.realtime import (
     InputTranscript,
     ModelEvent,
@@ -171,6 +170,7 @@ class RealtimeSession:
         self.response: Response | None = None
         self.dropping = False  # the model's current reply was cancelled: its outputs are dropped
         self.skip_next_reply = False  # a waiting response was cancelled: drop the next reply
+        self.unclaimed_replies = 0  # manual turns: a reply that began before its response.create (1 at most)
         self.items: OrderedDict[str, int] = OrderedDict()  # assistant item -> audio ms sent (truncate)
         self._out = Out()
 
@@ -337,6 +337,7 @@ class RealtimeSession:
             return
         pcm = np.concatenate(self.buffer)
         self._drop_buffer()
+        self.unclaimed_replies = 0  # a new turn: an earlier reply no longer answers a response.create
         item = self._new_id("item")
         self._send_turn(pcm, eid)
         self._emit("input_audio_buffer.committed", item_id=item, previous_item_id=self.last_item)
@@ -369,6 +370,11 @@ class RealtimeSession:
     def _response_create(self, a: ev.ResponseCreate, now: float) -> None:
         if self.response is not None:
             return  # a response is coming already: it is the answer to this request too
+        if self.unclaimed_replies:
+            # The model answered the last committed turn before this request arrived (a quick
+            # model, a slow client): that response is this request's, not a second one.
+            self.unclaimed_replies = 0
+            return
         self._start_response(a.output_modalities or self.modalities, now + self.limits.response_wait_s)
 
     def _response_cancel(self, a: ev.ResponseCancel, eid: str | None) -> None:
@@ -395,7 +401,7 @@ class RealtimeSession:
             self._act(SendText(a.text, eid))
             content.append({"type": "input_text", "text": a.text})
         if a.pcm is not None:
-            self._send_turn(resample(a.pcm, self.input_rate, self.limits.native_rate), eid)
+            self._send_turn(resample_pcm16(a.pcm, self.input_rate, self.limits.native_rate), eid)
             content.append({"type": "input_audio", "transcript": None})
         self._user_item(item, content)
         self.input_item, self.partial = item, ""
@@ -491,6 +497,8 @@ class RealtimeSession:
             r = None
         if r is None:
             r = self._start_response(self.modalities, now)
+            if not self.server_vad:  # the client's response.create for this turn may come after it
+                self.unclaimed_replies = 1
         r.move(ResponseState.SPEAKING)
 
     def _start_response(self, modalities: list[str], deadline: float) -> Response:
