@@ -1,8 +1,4 @@
-<<<<<<< HEAD
-"""The `duplexbus` command: up, frontend, conductor, worker, call, replay, nats, health."""
-=======
-"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats."""
->>>>>>> main
+"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats, health."""
 
 from __future__ import annotations
 
