@@ -272,9 +272,9 @@ async def test_a_voice_assistant_call_on_a_worker_the_environment_picked(
     stack: Compose, gateway: str, nats_of_stack: str
 ) -> None:
     pytest.importorskip("piper")
-    from models.voice_assistant.clips import piper_clips
     from models.voice_assistant import SAMPLE_RATE
     from models.voice_assistant.audio import silence
+    from models.voice_assistant.clips import piper_clips
 
     # The same `worker` service, told another model by its environment alone.
     cid = stack("run", "-d", "--no-deps", "-e", "DUPLEXBUS_MODEL=voice_assistant", "worker").strip().splitlines()[-1]
