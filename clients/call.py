@@ -27,24 +27,25 @@ from shared.sdk.audio import b64_pcm16, encode_wav, pcm16_from_b64, resample_pcm
 SAMPLE_RATE = 16_000
 
 
-def read_wav(path: str) -> tuple[np.ndarray, int]:
-    """Mono PCM16 samples at SAMPLE_RATE from any WAV soundfile reads; SystemExit with the
-    reason where it cannot."""
+def read_wav(path: str, rate: int | None = SAMPLE_RATE) -> tuple[np.ndarray, int]:
+    """Mono PCM16 samples from any WAV soundfile reads, at `rate` (its own rate where None),
+    and that rate; SystemExit with the reason where it cannot."""
     import soundfile
 
     try:
-        data, rate = soundfile.read(path, dtype="float32", always_2d=True)
+        data, got = soundfile.read(path, dtype="float32", always_2d=True)
     except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
         raise SystemExit(f"{path}: cannot read it as audio: {e}") from None
     channels = data.shape[1]
     mono = data.mean(axis=1) if channels > 1 else data[:, 0]
     samples = np.clip(np.round(mono * 32768.0), -32768, 32767).astype("<i2")
-    if channels > 1 or rate != SAMPLE_RATE:
+    want = rate or got
+    if channels > 1 or got != want:
         what = [f"{channels} channels to 1"] if channels > 1 else []
-        what += [f"{rate} Hz to {SAMPLE_RATE} Hz"] if rate != SAMPLE_RATE else []
+        what += [f"{got} Hz to {want} Hz"] if got != want else []
         print(f"{path}: converting {' and '.join(what)}", file=sys.stderr)
-        samples = resample_pcm16(samples, rate, SAMPLE_RATE)
-    return samples, SAMPLE_RATE
+        samples = resample_pcm16(samples, got, want)
+    return samples, want
 
 
 def pcm_file(samples: np.ndarray) -> dict[str, str]:

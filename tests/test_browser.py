@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.clips import piper_clips
 from models.voice_assistant import TALKER_LEAD_ENV
+from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import encode_wav
 from tests.helpers import Stack, running_stack
 

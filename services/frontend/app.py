@@ -192,6 +192,8 @@ class Endpoints:
         return [
             Route("/", self.index),
             Route("/healthz", self.healthz),
+            Route("/favicon.svg", self.favicon),
+            Route("/favicon.ico", self.favicon),
             Route("/generate", self.generate, methods=["POST"]),
             WebSocketRoute("/generate/ws", self.generate_ws),
             WebSocketRoute("/v1/realtime", self.realtime_ws),
@@ -259,6 +261,10 @@ class Endpoints:
         if page.exists():
             return FileResponse(page)
         return JSONResponse({"service": "duplexbus", "ws": "/generate/ws"})
+
+    async def favicon(self, request: Request) -> Response:
+        # A browser asks for /favicon.ico whatever the page says: both get the one icon.
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[dict[str, Any]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.bus import subjects
 from shared.bus.failures import Denials, mapped
+from shared.bus.history import Stored, read_history
 from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
@@ -268,6 +270,10 @@ class BusConnection:
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
 
+    async def round_trip(self, timeout: float) -> None:
+        """A PING the server answers within `timeout` (whole seconds, at least 1): it works now."""
+        await self._nc.flush(timeout=max(1, math.ceil(timeout)))
+
     async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """A core publish (the stream stores it all the same, with no round trip)."""
         with mapped(f"publishing {subject}", self._denials):
@@ -378,6 +384,11 @@ class BusConnection:
                     await self._js.delete_consumer(subjects.STREAM, info.name)
             except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
                 log.debug("deleting a read's consumer: %s", e)
+
+    def history(self, filters: list[str], *, follow: bool = False, since: float | None = None) -> AsyncGenerator[Stored, None]:
+        """What the stream holds on `filters` with its timestamps, oldest first, read fast (a
+        push consumer: see history.py); with `follow`, then what it stores next."""
+        return read_history(self._nc, self._js, self.payloads, self._denials, filters, follow, since)
 
     # -- service discovery -----------------------------------------------------
     async def announce(

@@ -43,6 +43,11 @@ def new_cid() -> str:
     return f"{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
 
 
+def is_cid(text: str) -> bool:
+    """Whether `text` has the form of a cid (new_cid's 24 hex digits)."""
+    return len(text) == 24 and all(c in "0123456789abcdef" for c in text)
+
+
 def new_process_id(kind: str) -> str:
     return f"{kind}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -105,6 +110,11 @@ def call_all(cid: str) -> str:
     return f"{_PREFIX}.{cid}.>"
 
 
+def all_opens() -> str:
+    """The open of every call: each carries its request_id (replay's request_id lookup)."""
+    return f"{_PREFIX}.*.{OPEN}"
+
+
 def assign(worker_id: str) -> str:
     return f"ctl.worker.{worker_id}.assign"
 
@@ -116,7 +126,7 @@ def worker_stats(worker_id: str) -> str:
 
 # What the conductor consumes: O(1) messages per call, never data subjects (I-1).
 CONDUCTOR_FILTERS = [
-    f"{_PREFIX}.*.{OPEN}",
+    all_opens(),
     f"{_PREFIX}.*.{EOI}.*",
     f"{_PREFIX}.*.{DONE}.*",
     f"{_PREFIX}.*.{ABORT}",
