@@ -245,13 +245,15 @@ class Endpoints:
 
     async def healthz(self, request: Request) -> Response:
         ok = self.service.ready.is_set()
+        buffered = self.guard.buffered(time.monotonic())
         body = {
             "ready": ok,
             "frontend_id": self.service.frontend_id,
             "pid": os.getpid(),
             "calls": len(self.service.calls),
             "connections": len(self.guard),
-            "buffered_bytes": self.guard.total,
+            "buffered_bytes": sum(buffered),
+            "buffered": {"input": buffered[0], "output": buffered[1]},
             "shed": self.guard.shed_count,
         }
         return JSONResponse(body, status_code=200 if ok else 503)

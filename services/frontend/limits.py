@@ -153,6 +153,11 @@ class Guard:
             return []
         return self._over_budget({c: c.load(now) for c in self._held})
 
+    def buffered(self, now: float) -> tuple[int, int]:
+        """(input, output) bytes all connections hold now, looked at afresh (for /healthz)."""
+        loads = [c.load(now) for c in self._held]
+        return sum(x.input for x in loads), sum(x.output for x in loads)
+
     def sweep(self, now: float) -> list[tuple[Conn, Shed]]:
         """Every connection looked at: those past a timeout, then those over the budget."""
         loads = {c: c.load(now) for c in self._held}
