@@ -22,15 +22,16 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
 
-from bench.stack import UpStack, machine
+from bench.machine import machine
 from models.echo import FRAME
 from shared.runtime.stats import percentile
 from shared.sdk.audio import b64_pcm16
+from tests.support.stack import UpStack
 
 PERIOD = 0.08
 WARMUP_FRAMES = 12  # the first second of each call (its opening and placement) is reported apart
@@ -78,7 +79,7 @@ class LoadSocket(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a TCP connection's is a full Transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.open.done():

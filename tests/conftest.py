@@ -5,7 +5,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tests.helpers import WS, Stack, own_nats_server
+from tests.support.bus import own_nats_server
+from tests.support.client import WS
+from tests.support.stack import Stack
 
 
 @pytest.fixture(scope="session")

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.clips import piper_clips
 from models.voice_assistant import TALKER_LEAD_ENV
 from shared.sdk.audio import encode_wav
-from tests.helpers import Stack, running_stack
+from tests.support.audio import piper_clips
+from tests.support.stack import Stack, running_stack
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():

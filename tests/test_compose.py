@@ -15,7 +15,7 @@ import yaml
 
 from models.registry import get_model
 from shared.runtime.config import ServingConfig
-from tests.helpers import REPO
+from tests.support import REPO
 
 COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")
 

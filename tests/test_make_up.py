@@ -17,7 +17,7 @@ import pytest
 
 from shared.bus.embedded import free_port
 from shared.sdk.audio import encode_wav
-from tests.helpers import REPO
+from tests.support import REPO
 
 
 def listening(port: int) -> bool:

