@@ -313,6 +313,9 @@ class UpStack(Served):
                 self.proc.wait(40)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
         # The stream's store (up to retention.max_bytes, 2 GiB) goes; the logs stay for a look.
         shutil.rmtree(self.dir / "run" / "nats", ignore_errors=True)
 
