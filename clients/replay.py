@@ -8,17 +8,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
-from shared.runtime.config import ServingConfig, load_config
+from shared.bus.connection import BusConnection
+from shared.runtime.config import ServingConfig
+
+CONNECT_TIMEOUT_S = 5.0  # a CLI command says it cannot reach NATS rather than wait forever
 
 
-async def read_call(nc: Client, cid: str, config: ServingConfig) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
+async def read_call(conn: BusConnection, cid: str) -> AsyncIterator[tuple[str, wire.AnyMsg]]:
     """Every stored message of the call, oldest first (large payloads fetched from the Object Store)."""
-    js = nc.jetstream()
-    async for subject, data, _ in bus.read_stored(js, bus.Payloads(nc, js, config), [subjects.call_all(cid)]):
+    async for subject, data, _ in conn.read_stored([subjects.call_all(cid)]):
         yield subject, wire.decode(data)
 
 
@@ -36,17 +36,16 @@ def summarize(msg: wire.AnyMsg) -> dict[str, Any]:
     return d
 
 
-async def run_replay(args: argparse.Namespace) -> int:
-    cfg = load_config(None, nats_url=args.nats_url)
-    nc = await bus.connect(cfg, "duplexbus-replay")
+async def run_replay(args: argparse.Namespace, cfg: ServingConfig) -> int:
+    conn = await BusConnection.open(cfg, "duplexbus-replay", stream=False, connect_timeout=CONNECT_TIMEOUT_S)
     try:
         n = 0
-        async for subject, msg in read_call(nc, args.cid, cfg):
+        async for subject, msg in read_call(conn, args.cid):
             print(json.dumps({"subject": subject, **summarize(msg)}, default=str))
             n += 1
         if n == 0:
             print(f"no messages for call {args.cid} in {subjects.STREAM}")
             return 1
     finally:
-        await bus.close(nc)
+        await conn.close()
     return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,27 +17,7 @@ import pytest
 from shared.bus.embedded import free_port
 from shared.sdk.audio import encode_wav
 from tests.support import REPO
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def procs_mentioning(text: str) -> list[str]:
-    """Processes whose command line or environment mentions `text`."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd or text in env:
-            out.append(f"{pid}: {cmd}")
-    return out
+from tests.support.stack import listening, procs_mentioning
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -97,8 +76,10 @@ def test_make_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     time.sleep(0.5)
     assert "stopped" in out
     nats_url = next(line.split(" on ")[1].split(",")[0] for line in out.splitlines() if "nats-server (embedded)" in line)
+    nats_at = nats_url.removeprefix("nats://")  # host:port; the children's NATS_URL has credentials before it
     assert not procs_mentioning(str(run_dir)), procs_mentioning(str(run_dir))
     # every child had NATS_URL set to the embedded server: none of them is left
-    assert not procs_mentioning(f"NATS_URL={nats_url}"), procs_mentioning(nats_url)
+    assert not procs_mentioning(f"@{nats_at}"), procs_mentioning(nats_at)
     assert not listening(port)
     assert not listening(int(nats_url.rsplit(":", 1)[1]))
+    assert not (run_dir / "nats.url").exists()  # the credentials go with the server

@@ -18,45 +18,56 @@ from tests.support.client import WS
 from tests.support.stack import UpStack
 
 
-async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
+async def stored(url: str, subject: str) -> list[bytes]:
+    """Every message the stream holds on `subject` (a wildcard), oldest first."""
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
-        cfg = ConsumerConfig(filter_subject=subjects.done("*", "*"), deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
+        cfg = ConsumerConfig(filter_subject=subject, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
         info = await js.add_consumer(subjects.STREAM, cfg)
         sub = await js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
-        out: Counter[tuple[str, str]] = Counter()
-        for m in await sub.fetch(info.num_pending or 1, timeout=5):
-            d = wire.decode_as(m.data, wire.Done)
-            out[(d.partition, d.worker_id)] += 1
-        return out
+        return [bytes(m.data) for m in await sub.fetch(info.num_pending or 1, timeout=5)]
     finally:
         await nc.close()
 
 
+async def dones_by_worker(url: str) -> Counter[tuple[str, str]]:
+    out: Counter[tuple[str, str]] = Counter()
+    for body in await stored(url, subjects.done("*", "*")):
+        d = wire.decode_as(body, wire.Done)
+        out[(d.partition, d.worker_id)] += 1
+    return out
+
+
+async def opens_by_frontend(url: str) -> Counter[str]:
+    return Counter(wire.decode_as(body, wire.Open).frontend_id for body in await stored(url, subjects.open_("*")))
+
+
 @pytest.mark.parametrize("colocate", [False, True], ids=["worker-per-partition", "colocated"])
 async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate: bool) -> None:
-    """`up --frontends 2 --workers 2`: calls spread over both workers of each partition. With
-    `--colocate` the two worker processes each run both partitions."""
-    stack = await asyncio.to_thread(UpStack, "echo", frontends=2, workers=2, colocate=colocate, run_dir=tmp_path)
+    """`up --frontends 2 --workers 2`: both frontends serve on the one port and take calls, and
+    calls spread over both workers of each partition. With `--colocate` the two worker
+    processes each run both partitions."""
+    stack = await asyncio.to_thread(UpStack, "echo", frontends=2, workers=2, colocate=colocate, folder=tmp_path)
     try:
-        await asyncio.sleep(1.5)  # up waited for every heartbeat in the bucket; the conductor's watch has seen them too
-        sockets = [await WS.connect(stack.ws_url(i)) for i in (0, 1)]
+        url = stack.nats_url
+        # One socket per call: the kernel hands each new connection to one of the frontends.
+        sockets = [await WS.connect(stack.ws_url()) for _ in range(16)]
         samples = (np.arange(10 * FRAME) % 9000).astype("<i2")
 
         async def call(i: int) -> None:
-            ws = sockets[i % 2]
             rid = f"spread{i}"
-            await ws.send({"request_id": rid, "files": [pcm_file(samples)]})
-            await ws.send({"request_id": rid, "end_input": True})
+            await sockets[i].send({"request_id": rid, "files": [pcm_file(samples)]})
+            await sockets[i].send({"request_id": rid, "end_input": True})
 
         await asyncio.gather(*(call(i) for i in range(16)))
         for i in range(16):
-            ws = sockets[i % 2]
-            final = await ws.final(f"spread{i}", timeout=60)
+            final = await sockets[i].final(f"spread{i}", timeout=60)
             assert "finish" in final, final
-            assert echo_bytes(ws.outputs(f"spread{i}")) == samples.tobytes()
-        dones = await dones_by_worker(stack.nats_url)
+            assert echo_bytes(sockets[i].outputs(f"spread{i}")) == samples.tobytes()
+        frontends = await opens_by_frontend(url)
+        assert len(frontends) == 2 and sum(frontends.values()) == 16, frontends  # both frontends took calls
+        dones = await dones_by_worker(url)
         for part in ("Encoder", "Talker"):
             per_worker = [n for (p, _), n in dones.items() if p == part]
             assert len(per_worker) == 2, dones  # both workers of the partition took calls

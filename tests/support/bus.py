@@ -18,8 +18,8 @@ from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection
 from shared.bus.embedded import NatsServer
 from shared.runtime.config import parse_config
 
@@ -107,16 +107,13 @@ async def worker_stats(nats_url: str, reset: bool = False) -> list[dict[str, Any
 
 
 @contextlib.asynccontextmanager
-async def bus_client(nats_url: str, name: str) -> AsyncIterator[bus.Payloads]:
-    """A connection with the stream in place, as the services have it (`.nc`, `.js`)."""
-    cfg = parse_config({"nats_url": nats_url})
-    nc = await bus.connect(cfg, name)
+async def bus_client(nats_url: str, name: str) -> AsyncIterator[BusConnection]:
+    """A bus connection with the stream in place, as the services have it."""
+    conn = await BusConnection.open(parse_config({"nats_url": nats_url}), name)
     try:
-        js = nc.jetstream()
-        await bus.ensure_stream(js, cfg)
-        yield bus.Payloads(nc, js, cfg)
+        yield conn
     finally:
-        await bus.close(nc)
+        await conn.close()
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from duplexbus.supervisor import saved_nats_url
 from shared.bus.embedded import free_port
 from tests.support import bus
 
@@ -66,7 +67,7 @@ class Served:
     ports: list[int]
 
     def ws_url(self, i: int = 0) -> str:
-        """The WebSocket of frontend i (of frontend i modulo their number, to spread sockets)."""
+        """The WebSocket of frontend i (UpStack's frontends share one port: any i is that port)."""
         return f"ws://127.0.0.1:{self.ports[i % len(self.ports)]}/generate/ws"
 
     def http_url(self, i: int = 0) -> str:
@@ -202,34 +203,12 @@ def _ready_pid(url: str) -> int | None:
         return int(json.loads(r.read())["pid"]) if r.status == 200 else None
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> int:
-    """The first of `n` consecutive free ports (`up --frontends n --port P` serves on P .. P + n - 1).
-
-    Each is bound once to check; another process may still take one before `up` does."""
-    for _ in range(100):
-        base = free_port(host)
-        if base + n > 65536:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind((host, p))
-        except OSError:
-            continue
-        else:
-            return base
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"found no {n} consecutive free ports")
-
-
 class UpStack(Served):
     """`duplexbus up --model M --frontends N --workers M` with its own embedded nats-server, ready
     once constructed (it blocks: from a coroutine, build it in a thread) and stopped with
-    Ctrl-C (SIGINT) as a user stops it. `run_dir` defaults to a new temporary folder, whose
-    logs stay for a look."""
+    Ctrl-C (SIGINT) as a user stops it. Every frontend serves on the one port; the kernel
+    spreads new sockets over them. `folder` holds the config and `up`'s run directory
+    (`run_dir`, folder/run); by default a new temporary one, whose logs stay for a look."""
 
     def __init__(
         self,
@@ -238,46 +217,48 @@ class UpStack(Served):
         workers: int = 1,
         config: dict[str, Any] | None = None,
         colocate: bool = False,
-        run_dir: Path | None = None,
-        log_level: str = "WARNING",
+        folder: Path | None = None,
+        log_level: str | None = "WARNING",
     ) -> None:
-        self.port = free_ports(frontends)
-        self.ports = [self.port + i for i in range(frontends)]
+        self.port = free_port()
+        self.ports = [self.port]
         self.frontends = frontends
-        self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-")) if run_dir is None else run_dir
+        self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-")) if folder is None else folder
+        self.run_dir = self.dir / "run"
+        self.lines: list[str] = []  # what `up` printed, as read so far
         cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", model, "--port", str(self.port)]
-        cmd += ["--frontends", str(frontends), "--workers", str(workers), "--run-dir", str(self.dir / "run")]
+        cmd += ["--frontends", str(frontends), "--workers", str(workers), "--run-dir", str(self.run_dir)]
         cmd += ["--colocate"] if colocate else []
         if config:
             cfg = self.dir / "config.yaml"
             cfg.write_text(yaml.safe_dump({"model": model, **config}))
             cmd += ["--config", str(cfg)]
-        env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
-        env["DUPLEXBUS_LOG"] = log_level
+        env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}  # the embedded server, as on a fresh machine
+        if log_level is not None:
+            env["DUPLEXBUS_LOG"] = log_level
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            self.nats_url = self._nats_url()
-            self._wait_ready()
+            # `up` prints its serving line once every frontend answers and every worker heartbeats.
+            self.wait_for("serving", unless="did not become ready")
+            url = saved_nats_url(self.run_dir)  # with the embedded server's credentials
+            if url is None:
+                raise RuntimeError("duplexbus up left no NATS URL in its run directory")
+            self.nats_url = url
         except BaseException:
             self.close()
             raise
 
-    def _line(self) -> str:
+    def wait_for(self, text: str, unless: str | None = None) -> str:
+        """The next line `up` prints that holds `text` (every line read is kept in `lines`).
+        It blocks: from a coroutine, call it in a thread."""
         assert self.proc.stdout is not None  # opened with stdout=PIPE
-        return self.proc.stdout.readline()
-
-    def _nats_url(self) -> str:
-        """From `up`'s first line: "nats-server (embedded) on URL, store ..."."""
-        first = self._line()
-        if " on " not in first:
-            raise RuntimeError(f"duplexbus up did not start its nats-server: {first.strip()}")
-        return first.split(" on ")[1].split(",")[0]
-
-    def _wait_ready(self) -> None:
-        """`up` prints its serving line once every frontend answers and every worker heartbeats."""
-        line = self._line()
-        if "serving" not in line:
-            raise RuntimeError(f"duplexbus up did not become ready: {line.strip()}")
+        while True:
+            line = self.proc.stdout.readline()
+            if not line or (unless is not None and unless in line):
+                raise RuntimeError(f"no {text!r} from duplexbus up:\n" + "".join(self.lines) + line)
+            self.lines.append(line)
+            if text in line:
+                return line
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) so far of each process of the stack, and of this client."""
@@ -317,7 +298,7 @@ class UpStack(Served):
         if self.proc.stdout:
             self.proc.stdout.close()
         # The stream's store (up to retention.max_bytes, 2 GiB) goes; the logs stay for a look.
-        shutil.rmtree(self.dir / "run" / "nats", ignore_errors=True)
+        shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
 
     def __enter__(self) -> UpStack:
         return self
@@ -336,3 +317,25 @@ def _role(argv: list[bytes]) -> str:
                 return f"worker {args[args.index('--partition') + 1]}"
             return role
     return " ".join(args[:2])
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def procs_mentioning(text: str) -> list[str]:
+    """Processes (other than this one) whose command line or environment mentions `text`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd or text in env:
+            out.append(f"{pid}: {cmd}")
+    return out
