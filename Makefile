@@ -28,9 +28,10 @@ system-deps:
 test: $(STAMP) system-deps lint typecheck
 	$(PY) -m pytest -q $(ARGS)
 
-# No nats-server, no process: the tests tests/support/tiers.py leaves unmarked.
+# No nats-server, no process (the tests tests/support/tiers.py leaves unmarked), nothing marked
+# slow; the five slowest are listed, so a slow newcomer is seen.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not integration" $(ARGS)
+	$(PY) -m pytest -q -m "not integration and not slow" --durations=5 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -35,12 +35,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_assistant_rtf.py` finds `bench`
 
 from bench.machine import machine
+from clients.eval.metrics import word_error_rate
 from models.voice_assistant import FRAME, SAMPLE_RATE, VoiceAssistantModel
 from models.voice_assistant.audio import silence
-from models.voice_assistant.text import SAMPLE_SENTENCES, word_error_rate
+from models.voice_assistant.clips import piper_clips
+from models.voice_assistant.text import SAMPLE_SENTENCES
 from shared.sdk.chunking import Item
 from shared.sdk.model import CallInfo, Emission, Partition, StepInput
-from tests.support.audio import piper_clips
 
 SENTENCES = [SAMPLE_SENTENCES[i] for i in (1, 2, 4, 3, 6, 7)]
 TICK = 0.02

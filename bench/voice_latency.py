@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from bench.machine import machine
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES
 from shared.runtime.stats import percentile
 from shared.sdk.audio import b64_pcm16
-from tests.support.audio import piper_clips
 from tests.support.client import is_final
 from tests.support.stack import UpStack
 

@@ -1,4 +1,4 @@
-"""The `duplexbus` command: up, frontend, conductor, worker, call, replay, nats."""
+"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats."""
 
 from __future__ import annotations
 
@@ -143,6 +143,12 @@ def cmd_call(args: argparse.Namespace) -> int:
     return asyncio.run(run_call(args))
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clients.eval.command import run
+
+    return asyncio.run(run(args))
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from clients.replay import run_replay
 
@@ -210,9 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--quiet", action="store_true", help="print only the finish")
     ca.set_defaults(fn=cmd_call)
 
-    rp = command("replay", "print every message of a call from the stream")
-    rp.add_argument("cid", help="the call's id (the finish's call_id)")
-    rp.add_argument("--nats-url", help="NATS URL (default: $NATS_URL, else the one `duplexbus up` left in --run-dir)")
+    from clients.eval.command import add_parser as add_eval
+
+    add_eval(sub).set_defaults(fn=cmd_eval)
+
+    from clients import DefaultsHelp
+    from clients.replay import add_arguments as add_replay
+
+    rp = sub.add_parser(
+        "replay",
+        help="a call's messages from the stream: a timeline, its audio, a rerun, or live",
+        description="Read one call back from the stream (by cid or request_id): a timeline of every message by default.",
+        formatter_class=DefaultsHelp,
+    )
+    add_replay(rp)
+    rp.add_argument(
+        "--nats-url",
+        help="NATS URL(s), comma-separated for a cluster (default: $NATS_URL, else the one `duplexbus up` left in --run-dir)",
+    )
     rp.add_argument("--run-dir", default=".run", help="where `duplexbus up` keeps its run files")
     rp.set_defaults(fn=cmd_replay)
     return p

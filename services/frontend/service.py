@@ -200,6 +200,11 @@ class FrontendService:
             )
         return m
 
+    def stream_limits(self, name: str) -> dict[str, int | None]:
+        """max_items per client stream of model `name`, as calls of it are bounded."""
+        self.model(name)
+        return self._limits[name]
+
     # -- calls -----------------------------------------------------------------
     async def open_call(self, o: Opening, sink: Sink, owner: object, on_end: Callable[[Call], None] | None = None) -> Call:
         if not self.ready.is_set():

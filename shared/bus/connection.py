@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import nats
+from nats import micro
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -31,9 +32,11 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.micro.request import Request  # nats.micro exports add_service alone
 
 from shared.bus import subjects
 from shared.bus.failures import Denials, mapped
+from shared.bus.history import Stored, read_history
 from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
@@ -133,6 +136,30 @@ class Durable:
                 return list(await self._sub.fetch(batch, timeout=timeout))
         except BusTimeout:
             return []
+
+
+def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Request], Awaitable[None]]:
+    async def on_request(req: Request) -> None:
+        try:
+            await req.respond(await handler(req.data))
+        except Exception as e:  # answered as a service error, as nats micro clients expect
+            log.exception("answering %s failed", req.subject)
+            await req.respond_error("500", str(e))
+
+    return on_request
+
+
+class Announcement:
+    """A process's entry in NATS service discovery; `stop()` takes it out."""
+
+    def __init__(self, svc: Any) -> None:
+        self._svc = svc
+
+    async def stop(self) -> None:
+        try:
+            await self._svc.stop()
+        except Exception as e:  # the connection may be closing: the entry goes with it
+            log.debug("stopping service discovery: %r", e)
 
 
 class BusConnection:
@@ -353,6 +380,28 @@ class BusConnection:
                     await self._js.delete_consumer(subjects.STREAM, info.name)
             except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
                 log.debug("deleting a read's consumer: %s", e)
+
+    def history(self, filters: list[str], *, follow: bool = False, since: float | None = None) -> AsyncGenerator[Stored, None]:
+        """What the stream holds on `filters` with its timestamps, oldest first, read fast (a
+        push consumer: see history.py); with `follow`, then what it stores next."""
+        return read_history(self._nc, self._js, self.payloads, self._denials, filters, follow, since)
+
+    # -- service discovery -----------------------------------------------------
+    async def announce(
+        self,
+        name: str,
+        version: str,
+        description: str,
+        metadata: dict[str, str],
+        endpoints: dict[str, tuple[str, Callable[[bytes], Awaitable[bytes]]]],
+    ) -> Announcement:
+        """Answer NATS service discovery (`$SRV.PING/INFO/STATS`, so `nats micro ls` lists this
+        process) with `endpoints`: endpoint name -> (subject, handler of a request's body)."""
+        with mapped(f"announcing {name}", self._denials):
+            svc = await micro.add_service(self._nc, name=name, version=version, description=description, metadata=metadata)
+            for ep, (subject, handler) in endpoints.items():
+                await svc.add_endpoint(name=ep, subject=subject, handler=_micro_handler(handler))
+        return Announcement(svc)
 
     # -- closing ---------------------------------------------------------------
     async def close(self, timeout: float = 2.0) -> None:

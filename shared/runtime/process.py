@@ -27,11 +27,35 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def setup_logging(name: str) -> None:
-    logging.basicConfig(
-        level=os.environ.get("DUPLEXBUS_LOG", "INFO").upper(),
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )
+LOG_FORMATS = ("text", "json")
+
+
+def setup_logging(role: str, fmt: str | None = None) -> None:
+    """Logs on stderr at $DUPLEXBUS_LOG (INFO), as text or, with `fmt="json"` (or
+    $DUPLEXBUS_LOG_FORMAT=json), one JSON object a line: time, level, role, logger, message
+    and the fields of `event()` lines (cid, request_id, status, ...), for a log pipeline."""
+    fmt = fmt or os.environ.get("DUPLEXBUS_LOG_FORMAT", "text")
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"levelname": "level", "name": "logger", "asctime": "time"},
+                static_fields={"role": role},
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=os.environ.get("DUPLEXBUS_LOG", "INFO").upper(), handlers=[handler], force=True)
+
+
+def event(logger: logging.Logger, what: str, **fields: object) -> None:
+    """One INFO line about a call (opened, placed, finished): `what k=v ...` as text, and the
+    fields as their own keys in JSON logs."""
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    logger.info("%s %s", what, text, extra={"event": what, **fields})
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

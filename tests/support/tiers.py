@@ -1,8 +1,9 @@
 """The two tiers of the suite, found from what each test uses, so that no one has to mark one.
 
-`make test` runs every test; `make test-fast` leaves out the ones marked `integration`: those
+`make test` runs every test; `make test-fast` leaves out the ones marked `integration`, those
 that use a real nats-server (the `nats_url` fixture) or can start a process (the services, a
-nats-server of their own, `make`, a browser). A test can start one when its code, its
+nats-server of their own, `make`, a browser), and those marked `slow` by hand (in one
+process, but seconds each). A test can start one when its code, its
 fixtures' code, or code they reach by name in this repository (the test module's helpers,
 tests/support, the project's packages) uses `subprocess`, asyncio's subprocesses,
 `multiprocessing` or playwright. The reach is followed by the names each function's code
