@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import websockets
 
-from tests.helpers import WS, Stack, pcm_file, running_stack
+from tests.support.audio import pcm_file
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 SEND_BUFFER_MB = 1.0
 CONFIG = {"model": "echo", "max_send_buffer_mb": SEND_BUFFER_MB, "max_call_input_mb": 1024.0}
