@@ -39,7 +39,8 @@ from websockets.client import ClientProtocol
 from websockets.protocol import State
 from websockets.uri import parse_uri
 
-from bench.stack import UpStack, machine
+from bench.machine import machine
+from tests.support.stack import UpStack
 
 MB = 1024 * 1024
 

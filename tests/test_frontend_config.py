@@ -24,8 +24,8 @@ from shared.runtime.config import (
     parse_config,
 )
 from shared.runtime.errors import ConfigError
-from tests.helpers import REPO
 from tests.protocol_model import AUDIO_MAX, DuoModel, argv
+from tests.support import REPO
 
 
 def test_defaults() -> None:

@@ -28,7 +28,9 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.helpers import WS, Stack, echo_bytes, padded, pcm_file, running_stack
+from tests.support.audio import echo_bytes, padded, pcm_file
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 CONFIG: dict[str, Any] = {"model": "echo", "max_message_mb": 0.25, "request_timeout_s": 30.0}
 FUZZ = settings(

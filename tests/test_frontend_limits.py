@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers import WS, RawWS, Stack, echo_bytes, padded, pcm_file, rss_bytes, running_stack
+from tests.support.audio import echo_bytes, padded, pcm_file
+from tests.support.client import WS, RawWS
+from tests.support.stack import Stack, rss_bytes, running_stack
 
 MB = 1024 * 1024
 CONFIG: dict[str, Any] = {

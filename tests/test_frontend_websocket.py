@@ -62,11 +62,11 @@ class RecordingTransport(asyncio.Transport):
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5000)}.get(name, default)
 
 
-async def _accepted(max_send_buffer: int = 1 << 20) -> tuple[FrontendWebSocketProtocol, RecordingTransport, dict]:
+async def _accepted(max_send_buffer: int = 1 << 20) -> tuple[FrontendWebSocketProtocol, RecordingTransport, dict[str, Any]]:
     """A protocol past the handshake, with an app that accepts and then only listens."""
-    scopes: list[dict] = []
+    scopes: list[dict[str, Any]] = []
 
-    async def app(scope: dict, receive: Any, send: Any) -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         scopes.append(scope)
         await receive()  # websocket.connect
         await send({"type": "websocket.accept"})
@@ -131,11 +131,11 @@ async def test_client_over_the_send_buffer_is_dropped() -> None:
 
 
 # -- limits (limits.Guard) and flow control ----------------------------------------
-async def _guarded(limits: Limits) -> tuple[FrontendWebSocketProtocol, RecordingTransport, dict, Guard]:
+async def _guarded(limits: Limits) -> tuple[FrontendWebSocketProtocol, RecordingTransport, dict[str, Any], Guard]:
     guard = Guard(limits)
-    scopes: list[dict] = []
+    scopes: list[dict[str, Any]] = []
 
-    async def app(scope: dict, receive: Any, send: Any) -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         scopes.append(scope)
         await receive()
         await send({"type": "websocket.accept"})

@@ -16,7 +16,9 @@ import pytest
 
 from models.echo import FRAME
 from shared.bus import subjects
-from tests.helpers import WS, Stack, echo_bytes, nothing_for, padded, pcm, pcm_file, running_stack, wav_bytes
+from tests.support.audio import echo_bytes, padded, pcm, pcm_file, wav_bytes
+from tests.support.client import WS, nothing_for
+from tests.support.stack import Stack, running_stack
 
 MAX_MESSAGE_MB = 0.5
 MAX_INPUT_MB = 1.0
@@ -270,9 +272,9 @@ async def test_end_input_on_the_opening_is_a_one_shot(ws: WS) -> None:
     for end in (True, ["audio_in"]):
         x = samples(4100, seed=13)
         await ws.send({"files": [pcm_file(x)], "end_input": end})
-        final = await ws.final(None)  # type: ignore[arg-type]
+        final = await ws.final(None)
         assert "finish" in final and final["request_id"] is None
-        assert echo_bytes(ws.outputs(None)) == padded(x)  # type: ignore[arg-type]
+        assert echo_bytes(ws.outputs(None)) == padded(x)
     await ws.send({"request_id": "os1", "files": [pcm_file(samples(10))], "end_input": True})
     assert "finish" in await ws.final("os1")
 

@@ -164,7 +164,7 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
     from services.frontend.protocol import Append, EndInput, Opening
     from services.frontend.service import FrontendService
     from shared.sdk.model import ClientFile, ClientInput
-    from tests.helpers import Stack
+    from tests.support.stack import Stack
 
     stack = Stack(nats_url, {"model": "echo"})
     fe = FrontendService(parse_config({"nats_url": nats_url, "model": "echo"}))

@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 import websockets
 
-from tests.helpers import WS, Stack, echo_bytes, padded, pcm_file, running_stack
+from tests.support.audio import echo_bytes, padded, pcm_file
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 SEND_BUFFER_MB = 1.0
 SEND_TIMEOUT_S = 4.0
