@@ -13,11 +13,16 @@ database on disk.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import json
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +30,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -39,6 +45,14 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
+# Hypothesis keeps caches (even with no database) in a folder of its own, from the moment
+# its tests are collected (selected or not): a temporary one here, removed when the run
+# ends, not the repository's.
+HYPOTHESIS_HOME = Path(tempfile.gettempdir()) / f"duplexbus-hypothesis-{os.getpid()}"
+set_hypothesis_home_dir(HYPOTHESIS_HOME)
+atexit.register(shutil.rmtree, HYPOTHESIS_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
