@@ -110,6 +110,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.frontend.app import create_app
+    from services.frontend.http import FrontendHttpProtocol
     from services.frontend.websocket import FrontendWebSocketProtocol
     from shared.runtime.process import setup_logging, tune_gc
 
@@ -119,13 +120,14 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     port = args.port or cfg.port
     app = create_app(cfg)
     tune_gc()
-    ws_max = 2 * cfg.max_message_bytes + 1024 * 1024  # the app answers oversize messages itself
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        ws=FrontendWebSocketProtocol.with_send_buffer(cfg.max_send_buffer_bytes),
-        ws_max_size=ws_max,
+        # Both take their limits from the app's guard (the lifespan's state).
+        http=FrontendHttpProtocol,
+        ws=FrontendWebSocketProtocol,
+        ws_max_size=cfg.ws_max_frame_bytes,  # the app answers oversize messages itself
         ws_per_message_deflate=False,  # compressing base64 audio costs CPU and saves little
         log_level="warning",
         lifespan="on",

@@ -339,3 +339,33 @@ def test_the_fast_append_path_reads_exactly_what_the_general_path_reads(msg: dic
     assert _same(parse_message(text.encode()), general)
     if fast:
         assert isinstance(general, Append)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 5000,
+        '{"request_id": "r", "append": ' + "[" * 5000,
+        '{"request_id": "r", "model_kwargs": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}",
+        '{"request_id": "r", "append": ' + "[" * 3000 + "]" * 3000 + "}",
+    ],
+)
+def test_json_nested_too_deeply_is_a_400(text: str) -> None:
+    """msgspec raises RecursionError for these (not a DecodeError): a 400 all the same."""
+    for one_shot in (False, True):
+        p = parse_message(text, one_shot=one_shot)
+        assert isinstance(p, ParseError) and p.error.status == 400 and "nested too deeply" in p.error.message
+
+
+def test_model_kwargs_nest_at_most_32_deep() -> None:
+    def nested(depth: int) -> dict[str, object]:
+        d: dict[str, object] = {"leaf": [1, 2]}  # the list is one level more
+        for _ in range(depth - 2):
+            d = {"k": d}
+        return d
+
+    ok = parse({"request_id": "r", "model_kwargs": nested(32)})
+    assert isinstance(ok, Opening)
+    deep = parse({"request_id": "r", "model_kwargs": nested(33)})
+    assert isinstance(deep, ParseError) and "model_kwargs nest deeper than 32 levels" in deep.error.message
+    assert isinstance(parse({"request_id": "r", "append": {"model_kwargs": nested(40)}}), ParseError)

@@ -334,6 +334,10 @@ async def test_malformed_messages_get_a_clear_error_and_the_socket_goes_on(ws: W
         ('{"request_id": "m3", "append": 5}', "m3", True, "append must be"),
         ('{"request_id": "m4", "end_input": "yes"}', "m4", True, "end_input must be"),
         ('{"request_id": "m5", "abort": "yes"}', "m5", True, "abort must be true"),
+        # Nesting past the decoder's recursion limit: before, the socket was dropped, no reply.
+        ("[" * 5000, None, False, "nested too deeply"),
+        ('{"request_id": "keep", "append": ' + "[" * 5000, None, False, "nested too deeply"),
+        ('{"request_id": "m6", "model_kwargs": ' + '{"a": ' * 40 + "1" + "}" * 41, "m6", False, "nest deeper than 32"),
     ]
     for raw, rid, append, words in cases:
         if isinstance(raw, bytes):
@@ -418,6 +422,7 @@ async def test_post_generate_streams_ndjson(stack: Stack) -> None:
             (json.dumps({"request_id": "p.2", "files": []}).encode(), "[A-Za-z0-9_-]"),
             (json.dumps({"request_id": "p3", "files": [pcm_file(x, stream="nope")]}).encode(), "unknown stream"),
             (json.dumps({"request_id": "p4", "append": []}).encode(), "takes an opening"),
+            (b"[" * 5000, "nested too deeply"),  # was a 500
         ]:
             r = await client.post("/generate", content=body)
             assert r.status_code == 400 and words in r.json()["error"] and r.json()["status"] == 400, r.text

@@ -48,7 +48,13 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_message_mb: float = 16.0  # one WebSocket message
-    max_send_buffer_mb: float = 16.0  # output waiting for a client that does not read; past it the socket closes
+    max_send_buffer_mb: float = 16.0  # output waiting for one client; past it its calls' outputs wait in the stream
+    send_timeout_s: float = 30.0  # output waiting and none of it read this long: the client is dropped
+    max_connections: int = 1024  # HTTP and WebSocket connections one frontend holds; past it 503
+    header_timeout_s: float = 10.0  # an HTTP request's headers (a WebSocket handshake too) must arrive within this
+    message_timeout_s: float = 30.0  # a WebSocket message or POST /generate body must be complete within this
+    socket_idle_timeout_s: float = 120.0  # a WebSocket with no call and no message this long is closed
+    frontend_memory_mb: float = 512.0  # input and output one frontend buffers, all connections together
     worker_slots: int = 512  # calls one worker takes at once
     max_batch: int = 64  # calls in one step
     step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
@@ -66,6 +72,12 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "max_call_duration_s": self.max_call_duration_s,
             "max_message_mb": self.max_message_mb,
             "max_send_buffer_mb": self.max_send_buffer_mb,
+            "send_timeout_s": self.send_timeout_s,
+            "max_connections": self.max_connections,
+            "header_timeout_s": self.header_timeout_s,
+            "message_timeout_s": self.message_timeout_s,
+            "socket_idle_timeout_s": self.socket_idle_timeout_s,
+            "frontend_memory_mb": self.frontend_memory_mb,
             "worker_slots": self.worker_slots,
             "max_batch": self.max_batch,
             "heartbeat_s": self.heartbeat_s,
@@ -108,6 +120,16 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def max_send_buffer_bytes(self) -> int:
         return _mib(self.max_send_buffer_mb)
+
+    @property
+    def frontend_memory_bytes(self) -> int:
+        return _mib(self.frontend_memory_mb)
+
+    @property
+    def ws_max_frame_bytes(self) -> int:
+        """The largest WebSocket frame read at all: a message over max_message_mb up to this
+        is answered (400 naming the key); a frame past it closes the socket (1009)."""
+        return 2 * self.max_message_bytes + 1024 * 1024
 
 
 def _mib(mb: float) -> int:

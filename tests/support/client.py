@@ -1,4 +1,4 @@
-"""A client socket for protocol tests, and what ends a call."""
+"""A client socket for protocol tests, what ends a call, and a raw client for hostile ones."""
 
 from __future__ import annotations
 
@@ -84,3 +84,90 @@ def _short(m: Message) -> Message:
     if "output" in m and isinstance(m["output"], dict) and "audio" in m["output"]:
         return {**m, "output": {**m["output"], "audio": "..."}}
     return m
+
+
+class RawWS:
+    """A WebSocket client that sends whatever frames a test asks for (fragments never
+    finished, a frame cut short, any opcode), for hostile-client tests; websockets'
+    sans-I/O client protocol over a plain TCP stream."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, proto: Any) -> None:
+        self.reader, self.writer, self.proto = reader, writer, proto
+        self.texts: list[str] = []
+
+    @classmethod
+    async def connect(cls, url: str, timeout: float = 10.0) -> RawWS:
+        from websockets.client import ClientProtocol
+        from websockets.protocol import State
+        from websockets.uri import parse_uri
+
+        uri = parse_uri(url)
+        proto = ClientProtocol(uri, max_size=None)
+        reader, writer = await asyncio.open_connection(uri.host, uri.port)
+        proto.send_request(proto.connect())
+        writer.write(b"".join(proto.data_to_send()))
+        deadline = time.monotonic() + timeout
+        while proto.state is State.CONNECTING:
+            data = await asyncio.wait_for(reader.read(65536), max(0.01, deadline - time.monotonic()))
+            if not data:
+                raise ConnectionError("closed during the handshake")
+            proto.receive_data(data)
+        if proto.handshake_exc is not None:
+            raise proto.handshake_exc
+        ws = cls(reader, writer, proto)
+        ws._take_events()
+        return ws
+
+    def _take_events(self) -> None:
+        from websockets.frames import Frame, Opcode
+
+        for e in self.proto.events_received():
+            if isinstance(e, Frame) and e.opcode is Opcode.TEXT:
+                self.texts.append(bytes(e.data).decode())
+
+    async def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def text(self, data: bytes, fin: bool = True) -> None:
+        self.proto.send_text(data, fin=fin)
+        await self.write(b"".join(self.proto.data_to_send()))
+
+    async def continuation(self, data: bytes, fin: bool) -> None:
+        self.proto.send_continuation(data, fin=fin)
+        await self.write(b"".join(self.proto.data_to_send()))
+
+    def frame_bytes(self, data: bytes) -> bytes:
+        """One whole text frame as it goes on the wire (a test may send only part of it)."""
+        self.proto.send_text(data)
+        return b"".join(self.proto.data_to_send())
+
+    async def recv_json(self, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not self.texts:
+            data = await asyncio.wait_for(self.reader.read(65536), max(0.01, deadline - time.monotonic()))
+            if not data:
+                raise ConnectionError("closed")
+            self.proto.receive_data(data)
+            self._take_events()
+        return dict(json.loads(self.texts.pop(0)))
+
+    async def closed(self, timeout: float = 10.0) -> tuple[int | None, str]:
+        """Read until the server closes the connection: (its close code, reason), or (None, "")
+        where it dropped the connection without a close frame."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                data = await asyncio.wait_for(self.reader.read(65536), max(0.01, deadline - time.monotonic()))
+                if not data:
+                    break
+                self.proto.receive_data(data)
+                self._take_events()
+                self.writer.write(b"".join(self.proto.data_to_send()))  # our half of the closing handshake
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        rcvd = self.proto.close_rcvd
+        return (rcvd.code, rcvd.reason) if rcvd is not None else (None, "")
+
+    def close(self) -> None:
+        self.writer.close()

@@ -339,3 +339,11 @@ def procs_mentioning(text: str) -> list[str]:
         if text in cmd or text in env:
             out.append(f"{pid}: {cmd}")
     return out
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
