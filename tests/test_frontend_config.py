@@ -15,6 +15,7 @@ import yaml
 
 from models.echo import EchoModel
 from shared.runtime.config import (
+    AuthConfig,
     RealtimeConfig,
     RetentionConfig,
     ServingConfig,
@@ -179,7 +180,7 @@ def test_every_config_key_is_documented() -> None:
     defaults = ServingConfig()
     for name in ServingConfig.__struct_fields__:
         value = getattr(defaults, name)
-        if isinstance(value, RetentionConfig | RealtimeConfig):
+        if isinstance(value, RetentionConfig | RealtimeConfig | AuthConfig):
             expected[name] = ...
             for sub in type(value).__struct_fields__:
                 expected[f"{name}.{sub}"] = getattr(value, sub)

@@ -216,7 +216,7 @@ async def test_over_the_memory_budget_the_newest_offenders_are_closed_with_1013(
     await settled(stack)
     live = await LiveCall.open(stack, "budget")
     await live.append()
-    pid = int((await asyncio.to_thread(health, stack))["pid"])
+    pid = int((await asyncio.to_thread(health, stack))["frontend_id"].split("-")[1])  # frontend-{pid}-{random}
     rss0 = rss_bytes(pid)
     socks = [await RawWS.connect(stack.ws_url(0)) for _ in range(12)]  # connected in this order
     for ws in socks:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.frontend.auth import Access, Grant
 from services.frontend.limits import Guard, Limits, Load, Shed
 from services.frontend.outbox import Outbox, Outlet, to_json
 from services.frontend.protocol import Opening, ParseError, parse_message
@@ -45,8 +45,10 @@ the request with its status (a socket: refused at the handshake)."""
 def error_response(rid: str | None, err: DuplexError, close: bool = False) -> JSONResponse:
     """The error as a response; `close`: the connection closes after it (its request's body
     was not read to the end, so nothing more on it can be read as a request)."""
-    headers = {"connection": "close"} if close else None
-    return JSONResponse(error_body(rid, err), status_code=err.status, headers=headers)
+    headers = {"connection": "close"} if close else {}
+    if err.status == 401:
+        headers["www-authenticate"] = 'Bearer realm="duplexbus"'
+    return JSONResponse(error_body(rid, err), status_code=err.status, headers=headers or None)
 
 
 class OneShot:
@@ -184,7 +186,9 @@ class Endpoints:
 
     def __init__(self, service: FrontendService, checks: Sequence[Check] = ()) -> None:
         self.service = service
-        self.checks = list(checks)
+        auth = service.config.auth
+        self.access = Access(auth.tokens, auth.allowed_origins)
+        self.checks = [self._access, *checks]
         self.guard = Guard(Limits.from_config(service.config))
         self.hub = RealtimeHub(service)
 
@@ -198,6 +202,17 @@ class Endpoints:
             WebSocketRoute("/generate/ws", self.generate_ws),
             WebSocketRoute("/v1/realtime", self.realtime_ws),
         ]
+
+    async def _access(self, conn: HTTPConnection) -> DuplexError | None:
+        """Tokens and origins (auth.py); a socket's token may come as a subprotocol, which the
+        socket is then accepted with (kept in the connection's state)."""
+        protocols = conn.headers.getlist("sec-websocket-protocol")
+        offered = [p.strip() for line in protocols for p in line.split(",") if p.strip()]
+        verdict = self.access.check(conn.headers, conn.url.scheme, offered)
+        if isinstance(verdict, Grant):
+            conn.state.subprotocol = verdict.subprotocol
+            return None
+        return verdict
 
     async def refused(self, conn: HTTPConnection) -> DuplexError | None:
         """The first refusal of the app's checks, if any."""
@@ -217,7 +232,7 @@ class Endpoints:
         if await self.refused(ws) is not None:
             await ws.close(1008)  # before the handshake: the client gets 403
             return
-        await ws.accept()
+        await ws.accept(subprotocol=getattr(ws.state, "subprotocol", None))
         outlet: Any = ws.scope.get("extensions", {}).get(OUTLET)
         outbox = Outbox(_as_outlet(outlet), pause_at=self.service.config.max_send_buffer_bytes)
         session = SocketSession(outbox, self.service)
@@ -241,7 +256,7 @@ class Endpoints:
         if await self.refused(ws) is not None:
             await ws.close(1008)
             return
-        await self.hub.serve(ws)
+        await self.hub.serve(ws, getattr(ws.state, "subprotocol", None))
 
     async def healthz(self, request: Request) -> Response:
         ok = self.service.ready.is_set()
@@ -249,7 +264,6 @@ class Endpoints:
         body = {
             "ready": ok,
             "frontend_id": self.service.frontend_id,
-            "pid": os.getpid(),
             "calls": len(self.service.calls),
             "connections": len(self.guard),
             "buffered_bytes": sum(buffered),

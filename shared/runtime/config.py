@@ -27,6 +27,11 @@ class RealtimeConfig(msgspec.Struct, forbid_unknown_fields=True):
     response_wait_s: float = 10.0  # a response made by response.create waits this long for the model's reply
 
 
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: list[str] = []  # bearer tokens a client must give (none: no token needed); also $DUPLEXBUS_TOKENS
+    allowed_origins: list[str] = []  # browser origins allowed besides the frontend's own
+
+
 class TLSConfig(msgspec.Struct, forbid_unknown_fields=True):
     ca_file: str | None = None
     cert_file: str | None = None
@@ -63,6 +68,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
     shutdown_drain_s: float = 10.0  # a stopping frontend or worker lets live calls end this long
     realtime: RealtimeConfig = msgspec.field(default_factory=RealtimeConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         positive = {
@@ -190,5 +196,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     for key, env in ENV_OVERRIDES.items():
         if os.environ.get(env):
             data[key] = os.environ[env]
+    if os.environ.get("DUPLEXBUS_TOKENS"):  # added to the file's: a deployment keeps secrets out of files
+        tokens = [t.strip() for t in os.environ["DUPLEXBUS_TOKENS"].split(",") if t.strip()]
+        auth = data.setdefault("auth", {})
+        if isinstance(auth, dict):
+            auth["tokens"] = [*(auth.get("tokens") or []), *tokens]
     data.update({k: v for k, v in overrides.items() if v is not None})
     return parse_config(data)

@@ -200,7 +200,8 @@ async def running_stack(
 
 def _ready_pid(url: str) -> int | None:
     with urllib.request.urlopen(url, timeout=1) as r:
-        return int(json.loads(r.read())["pid"]) if r.status == 200 else None
+        # frontend-{pid}-{random}: /healthz does not give the pid itself (nothing to give away)
+        return int(json.loads(r.read())["frontend_id"].split("-")[1]) if r.status == 200 else None
 
 
 class UpStack(Served):

@@ -328,9 +328,9 @@ class RealtimeHub:
         )
         return LiveSession(self, name, model, core, f"rt-{sid}")
 
-    async def serve(self, ws: WebSocket) -> None:
-        """One socket from accept to close."""
-        await ws.accept()
+    async def serve(self, ws: WebSocket, subprotocol: str | None = None) -> None:
+        """One socket from accept to close (accepted with `subprotocol`: the one that carried its token)."""
+        await ws.accept(subprotocol=subprotocol)
         outbox = Outbox(ws)
         name = ws.query_params.get("model") or self.svc.default_model
         try:
