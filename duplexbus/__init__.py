@@ -1,3 +1,5 @@
 """duplexbus: full-duplex streaming model serving on NATS JetStream."""
 
-__version__ = "0.1.0"
+from shared.runtime.version import VERSION as __version__
+
+__all__ = ["__version__"]

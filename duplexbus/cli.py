@@ -16,7 +16,7 @@ import msgspec
 
 from shared.runtime.config import ServingConfig, load_config
 from shared.runtime.errors import BusError, BusUnavailable, ConfigError
-from shared.runtime.process import STOP_GRACE_S, install_stop_signals, run_until_stopped, setup_logging, tune_gc
+from shared.runtime.process import LOG_FORMATS, STOP_GRACE_S, install_stop_signals, run_until_stopped, setup_logging, tune_gc
 
 
 def _config(args: argparse.Namespace) -> ServingConfig:
@@ -61,17 +61,29 @@ def _serve(run: Callable[[asyncio.Event], Awaitable[None]], grace_s: float) -> i
 def cmd_conductor(args: argparse.Namespace) -> int:
     from services.conductor.service import ConductorService
 
-    setup_logging("conductor")
+    setup_logging("conductor", args.log_format)
     cfg = _config(args)
-    return _serve(ConductorService(cfg).run, cfg.shutdown_drain_s + STOP_GRACE_S)
+    return _serve(ConductorService(cfg, health_port(args)).run, cfg.shutdown_drain_s + STOP_GRACE_S)
+
+
+HEALTH_PORT_ENV = "DUPLEXBUS_HEALTH_PORT"
+
+
+def health_port(args: argparse.Namespace) -> int | None:
+    """--health-port, else $DUPLEXBUS_HEALTH_PORT, else None (no /livez, /readyz, /metrics)."""
+    if args.health_port is not None:
+        return int(args.health_port)
+    env = os.environ.get(HEALTH_PORT_ENV)
+    return int(env) if env else None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from services.worker.service import WorkerService
 
-    setup_logging("worker")
+    setup_logging("worker", args.log_format)
     cfg = _config(args)
-    return _serve(WorkerService(cfg, cfg.model, worker_partitions(args.partition)).run, cfg.shutdown_drain_s + STOP_GRACE_S)
+    worker = WorkerService(cfg, cfg.model, worker_partitions(args.partition), health_port=health_port(args))
+    return _serve(worker.run, cfg.shutdown_drain_s + STOP_GRACE_S)
 
 
 PARTITIONS_ENV = "DUPLEXBUS_PARTITIONS"
@@ -136,7 +148,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     from services.frontend.websocket import FrontendWebSocketProtocol
     from shared.runtime.process import setup_logging, tune_gc
 
-    setup_logging("frontend")
+    setup_logging("frontend", args.log_format)
     cfg = _config(args)
     host = args.host or cfg.host
     port = args.port or cfg.port
@@ -165,6 +177,8 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if args.log_format:  # the children read it from their environment
+        os.environ["DUPLEXBUS_LOG_FORMAT"] = args.log_format
     from duplexbus.supervisor import UpOptions, run_up
     from models.registry import served_model
 
@@ -228,7 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, formatter_class=fmt)
 
+    def observed(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--health-port",
+            type=int,
+            help=f"serve /livez, /readyz and /metrics on this port (default: ${HEALTH_PORT_ENV}, else none)",
+        )
+
     def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--log-format",
+            choices=LOG_FORMATS,
+            help="log lines as text or one JSON object each (default: $DUPLEXBUS_LOG_FORMAT, else text)",
+        )
         sp.add_argument("--config", help="serving config YAML (default: $DUPLEXBUS_CONFIG, else every default)")
         sp.add_argument("--model", help="model to serve (default: $DUPLEXBUS_MODEL, else the config's `model`)")
 
@@ -255,10 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = command("conductor", "admission, placement, completion")
     common(co)
+    observed(co)
     co.set_defaults(fn=cmd_conductor)
 
     wo = command("worker", "run partitions of the model")
     common(wo)
+    observed(wo)
     wo.add_argument(
         "--partition",
         action="append",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.bus.embedded import NatsServer, StoreInUse
+from shared.bus.embedded import NatsServer, StoreInUse, free_port
 from shared.runtime.config import ServingConfig
 from shared.runtime.process import die_with_parent
 
@@ -80,20 +80,34 @@ def plan(opts: UpOptions, partitions: list[str], listen_fds: list[int] | None = 
     on one port); without, frontend i binds port + i itself."""
     py = [sys.executable, "-m", "duplexbus.cli"]
     common = (["--config", opts.config] if opts.config else []) + (["--model", opts.model] if opts.model else [])
-    children = [Child("conductor", [*py, "conductor", *common], order=2)]
+    children = [Child("conductor", [*py, "conductor", *common, *_health(opts)], order=2)]
     if opts.colocate:
         for i in range(opts.workers):
-            children.append(Child(f"worker-{i}", [*py, "worker", *common], order=1))
+            children.append(Child(f"worker-{i}", [*py, "worker", *common, *_health(opts)], order=1))
     else:
         for p in partitions:
             for i in range(opts.workers):
-                children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
+                argv = [*py, "worker", *common, "--partition", p, *_health(opts)]
+                children.append(Child(f"worker-{p}-{i}", argv, order=1))
     for i in range(opts.frontends):
         fd = listen_fds[i] if listen_fds else None
         where = ["--fd", str(fd)] if fd is not None else ["--host", opts.host, "--port", str(opts.port + i)]
         fds = (fd,) if fd is not None else ()
         children.append(Child(f"frontend-{i}", [*py, "frontend", *common, *where], order=0, pass_fds=fds))
     return children
+
+
+def _health(opts: UpOptions) -> list[str]:
+    """A worker's or the conductor's /livez, /readyz and /metrics: a free port of its own."""
+    return ["--health-port", str(free_port(opts.host))]
+
+
+def health_urls(children: list[Child], host: str) -> list[str]:
+    out = []
+    for c in children:
+        if "--health-port" in c.argv:
+            out.append(f"{c.name} http://{host}:{c.argv[c.argv.index('--health-port') + 1]}/metrics")
+    return out
 
 
 def _never() -> bool:
@@ -300,6 +314,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             cfg, workers, opts.ready_timeout, children, lambda: stop
         )
         if ready:
+            print(f"metrics: {url}/metrics (frontends), " + ", ".join(health_urls(children, opts.host)), flush=True)
             print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
         elif not stop:  # (a stop during start-up is no failure)
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)

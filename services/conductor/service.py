@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any
 
 from services.conductor import core
 from services.conductor.liveness import Liveness
+from services.conductor.observe import Observer
 from shared.bus import subjects, wire
 from shared.bus.connection import BUCKETS, BusConnection, BusMsg, Durable, conductor_consumer
 from shared.bus.kv import Bucket, KvEntry
+from shared.bus.readiness import Readiness
 from shared.runtime import healthfile
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError, BusTimeout, BusUnavailable, DuplexError
+from shared.runtime.health import HealthServer
+from shared.runtime.metrics import ConductorMetrics
 from shared.runtime.process import TaskSet
+from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +35,13 @@ MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered
 
 
 class ConductorService:
-    def __init__(self, config: ServingConfig) -> None:
+    def __init__(self, config: ServingConfig, health_port: int | None = None) -> None:
         self.config = config
         self.core = core.Conductor(config)
+        self.metrics = ConductorMetrics()
+        self.observer = Observer(self.core, self.metrics)
+        self.readiness = Readiness(config.heartbeat_s, is_conductor=True)
+        self.health_port = health_port  # /livez, /readyz, /metrics on it (None: not served)
         self.tasks = TaskSet()  # assignments waiting for a worker's reply
         self.events: asyncio.Queue[tuple[core.Event, BusMsg | None]] = asyncio.Queue(maxsize=10_000)
         self._bus: BusConnection | None = None
@@ -52,6 +62,20 @@ class ConductorService:
         self._bus = await BusConnection.open(self.config, "duplexbus-conductor", buckets=list(BUCKETS))
         await self._restore()
         sub = await self.bus.durable(conductor_consumer())
+        self.readiness.conn = self.bus
+        health = None
+        if self.health_port is not None:  # on the serving host: loopback unless the config opens it
+            health = HealthServer(self.metrics, self.readiness, host=self.config.host, port=self.health_port)
+        if health is not None:
+            await health.start()
+        # In NATS service discovery: frontends and workers ping it to know a conductor is alive.
+        announced = await self.bus.announce(
+            subjects.SERVICE_CONDUCTOR,
+            VERSION,
+            "admission, placement, completion",
+            {},
+            {"status": (subjects.conductor_status(), self._status)},
+        )
         log.info("conductor ready")
         try:
             async with asyncio.TaskGroup() as tg:
@@ -62,13 +86,23 @@ class ConductorService:
                     tg.create_task(self._ticks()),
                     tg.create_task(self._process()),
                     tg.create_task(self._beat()),
+                    tg.create_task(self.readiness.run()),
                 ]
                 await stop.wait()
                 for t in tasks:
                     t.cancel()
         finally:
+            await announced.stop()
+            if health is not None:
+                await health.close()
             await self.tasks.close()
             await self.bus.close()
+
+    async def _status(self, body: bytes) -> bytes:
+        """ctl.conductor.status (and NATS service discovery's `status` endpoint)."""
+        c = self.core
+        status = {"live_calls": c.active, "queued": len(c.queue), "workers": sorted(c.workers)}
+        return json.dumps(status).encode()
 
     async def _restore(self) -> None:
         kv = self.kv[subjects.KV_CALLS]
@@ -126,7 +160,9 @@ class ConductorService:
         while True:
             ev, msg = await self.events.get()
             try:
-                writes = self._execute(self.core.handle(ev))
+                actions = self.core.handle(ev)
+                self.observer.after(ev, actions, time.monotonic())
+                writes = self._execute(actions)
             except Exception:
                 log.exception("handling %r failed", ev)
                 writes = []

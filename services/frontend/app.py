@@ -32,6 +32,8 @@ from services.frontend.session import SocketSession, error_body
 from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
+from shared.runtime.health import readiness
+from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +198,9 @@ class Endpoints:
         return [
             Route("/", self.index),
             Route("/healthz", self.healthz),
+            Route("/livez", self.livez),
+            Route("/readyz", self.readyz),
+            Route("/metrics", self.metrics),
             Route("/favicon.svg", self.favicon),
             Route("/favicon.ico", self.favicon),
             Route("/generate", self.generate, methods=["POST"]),
@@ -271,6 +276,20 @@ class Endpoints:
             "shed": self.guard.shed_count,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def livez(self, request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def readyz(self, request: Request) -> Response:
+        """Ready: connected to NATS, the stream there, a conductor alive (shared.bus.readiness)."""
+        status, body = readiness(self.service.readiness())
+        return Response(body, status_code=status, media_type="application/json")
+
+    async def metrics(self, request: Request) -> Response:
+        m = self.service.metrics
+        m.sockets.set(len(self.guard))
+        m.socket_queue.set(self.guard.buffered(time.monotonic())[1])
+        return Response(m.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def index(self, request: Request) -> Response:
         page = STATIC / "index.html"

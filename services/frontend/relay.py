@@ -41,6 +41,11 @@ class OutputRelay:
         self.behind = False  # live outputs are not taken: the client had no room for them
         self.drops = 0  # live outputs not taken, ever (a read that saw some dropped reads again)
 
+    @property
+    def relayed(self) -> int:
+        """Outputs sent to the client so far, every partition together."""
+        return sum(self.next_out.values())
+
     def accept(self, partition: str, seq: int, event: bytes, now: float) -> list[bytes]:
         """One output as it arrived; returns the events to send now, in order (empty for a
         repeat, or for one ahead of a gap, which is held)."""

@@ -26,6 +26,7 @@ from services.frontend.relay import OutputRelay
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
 from shared.bus.kv import Bucket
+from shared.bus.readiness import Readiness
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import (
     BusError,
@@ -36,7 +37,8 @@ from shared.runtime.errors import (
     Overloaded,
     ProtocolError,
 )
-from shared.runtime.process import TaskSet, every
+from shared.runtime.metrics import FrontendMetrics
+from shared.runtime.process import TaskSet, event, every
 from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class Call:
     fin: wire.Fin | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     on_end: Callable[[Call], None] | None = None  # whoever opened it forgets it (a socket)
+    opened: float = field(default_factory=time.monotonic)
 
     _output_prefix: bytes | None = None
 
@@ -88,6 +91,9 @@ class FrontendService:
         self.tasks = TaskSet()  # heartbeat, timeouts, unsubscribing, output recovery, finishes, aborts
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
+        self.metrics = FrontendMetrics()
+        self.readiness = Readiness(config.heartbeat_s)
+        self.metrics.live_calls.set_function(lambda: len(self.calls))
         # Load the served model and check the config's client_streams against it now, so a
         # bad name or bound stops the process at start-up with an error naming the key.
         served_model(self.default_model)
@@ -114,6 +120,7 @@ class FrontendService:
         server answers (503, "starting") while NATS is out of reach, and a stop signal in that
         time stops it rather than waiting on the connect."""
         self.tasks.spawn(self._connect())
+        self.tasks.spawn(self.readiness.run())
 
     async def _connect(self) -> None:
         try:
@@ -126,6 +133,7 @@ class FrontendService:
         except BusError as e:  # refused (credentials, permissions): it stays not ready, and says why
             log.error("frontend %s cannot use the bus: %s", self.frontend_id, e)
             raise
+        self.readiness.conn = self._bus
         hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
         self.tasks.spawn(self.frontends.heartbeat(self.frontend_id, lambda: hb, self.config.heartbeat_s))
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
@@ -201,6 +209,16 @@ class FrontendService:
     async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[Call], None] | None = None) -> Call:
         """Open a call whose messages go to `sink`; `on_end` runs once when it ends, after its
         last message went to the sink."""
+        try:
+            call = await self._open_call(o, sink, on_end)
+        except DuplexError as e:
+            if e.status in (409, 503):  # taken, or no room: refused admission (a 400 is the client's)
+                self.metrics.refusals.labels(str(e.status)).inc()
+            raise
+        event(log, "call opened", cid=call.cid, request_id=call.request_id, model=call.input.model.name, live=call.live)
+        return call
+
+    async def _open_call(self, o: Opening, sink: Sink, on_end: Callable[[Call], None] | None) -> Call:
         if not self.ready.is_set():
             raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
         model_name = o.model or self.default_model
@@ -276,6 +294,7 @@ class FrontendService:
         call.reply({"append": True, "error": error, "status": 409, "late": late})
 
     async def _publish_items(self, cid: str, p: Prepared) -> None:
+        self.metrics.appends.inc(len(p.items))
         for edge, seq, item in p.items:
             body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item), sent_ns=time.time_ns()))
             # Core publish: the stream stores it all the same, with no round trip per append.
@@ -291,6 +310,7 @@ class FrontendService:
         """End a call from this side (socket closed, timeout, refused append)."""
         if call.cid not in self.calls:
             return
+        self._ended(call, "aborted", status)
         await self._cleanup(call, {"error": reason, "status": status} if tell_client else None)
         try:
             await self.bus.store(subjects.abort(call.cid), wire.encode(wire.Abort(reason=reason, status=status)))
@@ -354,8 +374,11 @@ class FrontendService:
             o = wire.decode_as(body, wire.OutputMsg)
         except DuplexError:
             return
-        for event in call.relay.accept(o.partition, o.seq, o.json, time.monotonic()):
-            call.relay_output(event)
+        relayed = call.relay.accept(o.partition, o.seq, o.json, time.monotonic())
+        for out in relayed:
+            call.relay_output(out)
+        if relayed and o.sent_ns:
+            self.metrics.reply_lag.observe(max(0.0, (time.time_ns() - o.sent_ns) / 1e9))
         if call.fin is not None and call.relay.complete:
             self.tasks.spawn(self._finish(call))
 
@@ -437,12 +460,29 @@ class FrontendService:
         if call.cid not in self.calls or call.fin is None:
             return
         fin = call.fin
+        self._ended(call, "completed" if fin.status == 200 else "failed", fin.status)
+        if fin.reason == "overloaded":  # refused by the conductor's admission
+            self.metrics.refusals.labels(str(fin.status)).inc()
         if fin.status == 200:
             if not call.relay.complete:
                 log.warning("call %s finished with outputs missing", call.cid)
             await self._cleanup(call, {"finish": {"reason": fin.reason, "usage": fin.usage, "call_id": call.cid}})
         else:
             await self._cleanup(call, {"error": fin.error or fin.reason, "status": fin.status})
+
+    def _ended(self, call: Call, outcome: str, status: int) -> None:
+        self.metrics.calls.labels(outcome, str(status)).inc()
+        event(
+            log,
+            "call finished",
+            cid=call.cid,
+            request_id=call.request_id,
+            model=call.input.model.name,
+            outcome=outcome,
+            status=status,
+            duration_s=round(time.monotonic() - call.opened, 3),
+            outputs=call.relay.relayed,
+        )
 
     async def _check_timeouts(self) -> None:
         now = time.monotonic()

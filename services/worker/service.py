@@ -24,11 +24,15 @@ from models.registry import served_model
 from services.worker import engine as eng
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
+from shared.bus.readiness import Readiness
 from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import ConfigError, DuplexError, Overloaded, WorkerFailed
+from shared.runtime.health import HealthServer
+from shared.runtime.metrics import WorkerMetrics
 from shared.runtime.process import TaskSet
 from shared.runtime.stats import Reservoir
+from shared.runtime.version import VERSION
 from shared.sdk.model import StepInput
 
 log = logging.getLogger(__name__)
@@ -63,9 +67,18 @@ class _Runner:
 
 class WorkerService:
     def __init__(
-        self, config: ServingConfig, model: str, partitions: list[str] | None = None, worker_id: str | None = None
+        self,
+        config: ServingConfig,
+        model: str,
+        partitions: list[str] | None = None,
+        worker_id: str | None = None,
+        health_port: int | None = None,
     ) -> None:
         self.config = config
+        self.metrics = WorkerMetrics()
+        self.metrics.live_calls.set_function(lambda: len(self.calls))
+        self.readiness = Readiness(config.heartbeat_s)
+        self.health_port = health_port  # /livez, /readyz, /metrics on it (None: not served)
         self.model = served_model(model)
         self.model_name = model
         topo = self.model.topology
@@ -118,9 +131,18 @@ class WorkerService:
         )
         kv = self.bus.kv[subjects.KV_WORKERS]
         await self.bus.subscribe(subjects.assign(self.worker_id), self._on_assign)
-        await self.bus.subscribe(subjects.worker_stats(self.worker_id), self._on_stats)
+        self.readiness.conn = self.bus
+        health = None
+        if self.health_port is not None:  # on the serving host: loopback unless the config opens it
+            health = HealthServer(self.metrics, self.readiness, host=self.config.host, port=self.health_port)
+            await health.start()
+        # In NATS service discovery (`nats micro ls`), with its figures at ctl.worker.{id}.stats.
+        meta = {"worker_id": self.worker_id, "model": self.model_name, "partitions": ",".join(self.partitions)}
+        stats = {"stats": (subjects.worker_stats(self.worker_id), self._stats)}
+        announced = await self.bus.announce(subjects.SERVICE_WORKER, VERSION, "runs partitions of a model", meta, stats)
         log.info("worker %s serving %s %s", self.worker_id, self.model_name, self.partitions)
         async with asyncio.TaskGroup() as tg:
+            ready = tg.create_task(self.readiness.run())
             steppers = [tg.create_task(self._step_loop(name, r)) for name, r in self.runners.items()]
             hb = tg.create_task(kv.heartbeat(self.worker_id, self._heartbeat, self.config.heartbeat_s))
             repair = tg.create_task(self._repair_gaps())
@@ -136,8 +158,12 @@ class WorkerService:
             await kv.delete_if_there(self.worker_id)
             repair.cancel()
             ends.cancel()
+            ready.cancel()
             for t in steppers:
                 t.cancel()
+        await announced.stop()
+        if health is not None:
+            await health.close()
         await self.tasks.close()
         await self.bus.close()
 
@@ -312,7 +338,7 @@ class WorkerService:
         except Exception as e:
             log.warning("call %s: the barrier before its catch-up read was not stored (%r)", call.cid, e)
 
-    async def _on_stats(self, msg: BusMsg) -> None:
+    async def _stats(self, request: bytes) -> bytes:
         """Live figures for operators and benchmarks; a request body of b"reset" clears them after."""
         parts = {}
         for name, r in self.runners.items():
@@ -335,12 +361,11 @@ class WorkerService:
             "partitions": parts,
             "data_path_ms": {"n": lat.count, "p50": lat.percentile(50), "p99": lat.percentile(99)},
         }
-        if msg.data == b"reset":
+        if request == b"reset":
             lat.clear()
             for r in self.runners.values():
                 r.engine.stats.batch_sizes.clear()
-        if msg.reply:
-            await msg.respond(json.dumps(body).encode())
+        return json.dumps(body).encode()
 
     # -- data ----------------------------------------------------------------
     def _on_data(self, m: BusMsg) -> None:
@@ -431,10 +456,13 @@ class WorkerService:
 
     async def _run_step(self, name: str, r: _Runner, batch: list[StepInput]) -> list[eng.Action]:
         try:
+            start = time.perf_counter()
             if r.blocking:
                 emissions = await asyncio.to_thread(r.engine.partition.step, batch)
             else:
                 emissions = r.engine.partition.step(batch)
+            self.metrics.step_seconds.labels(name).observe(time.perf_counter() - start)
+            self.metrics.batch_size.labels(name).observe(len(batch))
             return r.engine.complete(batch, emissions)
         except Exception as e:  # a model bug fails the batch's calls, not the process (I-4)
             log.exception("step of %s failed", name)
@@ -444,7 +472,9 @@ class WorkerService:
     async def _carry_out(self, actions: list[eng.Action], partition: str) -> None:
         for a in actions:
             if isinstance(a, eng.PublishOutput):
-                body = wire.encode(wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data)))
+                body = wire.encode(
+                    wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
+                )
                 await self.bus.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import ssl
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -391,6 +391,23 @@ class BusConnection:
         push consumer: see history.py); with `follow`, then what it stores next."""
         return read_history(self._nc, self._js, self.payloads, self._denials, filters, follow, since)
 
+    # -- readiness -------------------------------------------------------------
+    async def has_stream(self) -> bool:
+        try:
+            with mapped("looking up the stream", self._denials):
+                await self._js.stream_info(subjects.STREAM)
+        except BusNotFound:
+            return False
+        return True
+
+    async def service_alive(self, service: str, timeout: float) -> bool:
+        """Whether an instance of `service` answers NATS service discovery's ping now."""
+        try:
+            await self.request(subjects.service_ping(service), b"", timeout)
+        except BusError:
+            return False
+        return True
+
     # -- service discovery -----------------------------------------------------
     async def announce(
         self,
@@ -398,7 +415,7 @@ class BusConnection:
         version: str,
         description: str,
         metadata: dict[str, str],
-        endpoints: dict[str, tuple[str, Callable[[bytes], Awaitable[bytes]]]],
+        endpoints: Mapping[str, tuple[str, Callable[[bytes], Awaitable[bytes]]]],
     ) -> Announcement:
         """Answer NATS service discovery (`$SRV.PING/INFO/STATS`, so `nats micro ls` lists this
         process) with `endpoints`: endpoint name -> (subject, handler of a request's body)."""

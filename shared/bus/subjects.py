@@ -119,6 +119,20 @@ def assign(worker_id: str) -> str:
     return f"ctl.worker.{worker_id}.assign"
 
 
+SERVICE_CONDUCTOR = "duplexbus-conductor"  # names in NATS service discovery (`nats micro ls`)
+SERVICE_WORKER = "duplexbus-worker"
+
+
+def service_ping(service: str) -> str:
+    """NATS service discovery's ping of every instance of `service` (any answer: one is alive)."""
+    return f"$SRV.PING.{service}"
+
+
+def conductor_status() -> str:
+    """Request/reply: the conductor's live calls, workers and placements."""
+    return "ctl.conductor.status"
+
+
 def worker_stats(worker_id: str) -> str:
     """Request/reply: the worker's load, steps, batch sizes and data-path latency."""
     return f"ctl.worker.{worker_id}.stats"

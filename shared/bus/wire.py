@@ -96,6 +96,7 @@ class OutputMsg(Msg, tag="out"):
     partition: str
     seq: int
     json: bytes
+    sent_ns: int = 0  # the worker's wall clock when it published it (the frontend's reply lag); 0: not given
 
 
 class Done(Msg, tag="done"):

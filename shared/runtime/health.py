@@ -41,7 +41,12 @@ class HealthServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        """Serve; a port that cannot be had is logged, not fatal (the service works without it)."""
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        except OSError as e:
+            log.error("no /livez, /readyz or /metrics: cannot listen on %s:%d: %s", self.host, self.port, e)
+            return
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("health and metrics on http://%s:%d (/livez, /readyz, /metrics)", self.host, self.port)
 

@@ -43,7 +43,9 @@ class FrontendMetrics(Metrics):
         )
         self.sockets = Gauge("duplexbus_frontend_sockets", "Client connections open now", registry=r)
         self.socket_queue = Gauge(
-            "duplexbus_frontend_socket_queue_depth", "Server-to-client messages waiting, over all sockets", registry=r
+            "duplexbus_frontend_output_buffered_bytes",
+            "Server-to-client bytes waiting for clients to read them, over all connections (the sockets' queues)",
+            registry=r,
         )
 
 
