@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from services.worker.engine import Engine
+from services.worker.repair import InputReads, StartRead, Why
 from services.worker.service import WorkerService
 from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
@@ -49,6 +50,82 @@ def test_engine_lists_calls_waiting_on_a_lost_item() -> None:
     e.push("a", "in", 1, Item())
     e.push("b", "in", 0, Item())
     assert e.missing() == {"a": (("in", 0),)}
+
+
+# -- the repair policy (services/worker/repair.py), pure -------------------------------------
+def started(r: StartRead | None) -> tuple[tuple[str, ...], bool, int, Why]:
+    assert r is not None
+    return r.edges, r.from_start, r.after, r.why
+
+
+def test_a_placed_call_is_read_from_the_start_and_a_running_read_covers_repeats() -> None:
+    reads = InputReads()
+    first = reads.subscribed("c", ["audio_in"], now=0.0)
+    assert started(first) == (("audio_in",), True, 0, Why.PLACED)
+    assert reads.subscribed("c", ["audio_in"], now=0.1) is None  # a repeated assignment: the read under way covers it
+    assert reads.reconnected() == []  # so does it a reconnect
+
+
+def test_a_partition_added_during_a_read_gets_its_input_read_too() -> None:
+    reads = InputReads()
+    first = reads.subscribed("c", ["audio_in"], now=0.0)
+    assert first is not None
+    reads.read_progress("c", first.read_id, 40)
+    second = reads.subscribed("c", ["audio_in", "frames"], now=0.1)  # placed here while the first read runs
+    assert started(second) == (("audio_in", "frames"), True, 0, Why.PLACED)  # all of it again, behind a barrier
+    assert second is not None and second.read_id != first.read_id
+    reads.read_progress("c", first.read_id, 90)  # the replaced read's progress counts for nothing
+    reads.read_ended("c", first.read_id)
+    assert reads.reading("c")
+    reads.read_progress("c", second.read_id, 120)
+    reads.read_ended("c", second.read_id)
+    assert not reads.reading("c")
+    assert started(reads.reconnected()[0]) == (("audio_in", "frames"), False, 120, Why.RECONNECT)  # on from 120
+
+
+def test_a_gap_is_read_when_the_same_items_are_missing_for_a_whole_period() -> None:
+    reads = InputReads()
+    r = reads.subscribed("c", ["in"], now=0.0)
+    assert r is not None
+    reads.read_progress("c", r.read_id, 7)
+    reads.read_ended("c", r.read_id)
+    assert reads.tick(0.5, {"c": (("in", 5),)}, ["c"]) == []  # seen once: may still be on its way
+    assert reads.tick(1.0, {"c": (("in", 6),)}, ["c"]) == []  # another gap: the first one was filled
+    (gap,) = reads.tick(1.5, {"c": (("in", 6),)}, ["c"])
+    assert started(gap) == (("in",), False, 7, Why.GAP) and "('in', 6)" in gap.detail
+    assert reads.tick(2.0, {"c": (("in", 6),)}, ["c"]) == []  # that read is still under way
+    reads.read_ended("c", gap.read_id)
+    assert [r.why for r in reads.tick(2.5, {"c": (("in", 6),)}, ["c"])] == [Why.GAP]
+    assert reads.tick(3.0, {"x": (("in", 0),)}, []) == [] and reads.tick(3.5, {"x": (("in", 0),)}, []) == []  # not a call here
+
+
+def test_a_stalled_call_is_read_waiting_twice_as_long_each_time_until_input_comes() -> None:
+    reads = InputReads(stall_s=2.0, stall_max_s=8.0)
+    r = reads.subscribed("c", ["in"], now=0.0)
+    assert r is not None
+    assert reads.tick(3.0, {}, ["c"]) == []  # a read is under way
+    reads.read_ended("c", r.read_id)
+    times = []
+    for t in range(3, 40):
+        for s in reads.tick(float(t), {}, ["c"]):
+            assert s.why is Why.STALL
+            times.append(t)
+            reads.read_ended("c", s.read_id)
+    assert times == [3, 7, 15, 23, 31, 39]  # waits of 2, 4, 8, then 8 at most
+    reads.live_input("c", 40.0)  # input again: back to the shortest wait
+    assert reads.tick(41.9, {}, ["c"]) == []
+    assert len(reads.tick(42.0, {}, ["c"])) == 1
+    assert reads.tick(50.0, {}, []) == []  # input complete: nothing is awaited
+
+
+def test_a_forgotten_call_is_never_read() -> None:
+    reads = InputReads()
+    r = reads.subscribed("c", ["in"], now=0.0)
+    assert r is not None
+    reads.forget("c")
+    reads.read_ended("c", r.read_id)
+    assert reads.tick(0.5, {"c": (("in", 1),)}, ["c"]) == [] and reads.tick(100.0, {"c": (("in", 1),)}, ["c"]) == []
+    assert reads.reconnected() == [] and "c" not in reads
 
 
 @contextlib.asynccontextmanager

@@ -5,6 +5,8 @@ subscribes (core NATS) to the call's input subjects of those partitions, then
 reads whatever the stream already holds for them (input that arrived before
 placement, I-2; or everything, when it replaces a lost worker). Items are
 numbered, so the overlap of the two is deduplicated by the stream buffers.
+When to read the stream, and from where, is `repair.InputReads`' to decide (pure);
+this shell carries the reads out and steps the engines.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from nats.js import JetStreamContext
 
 from models.registry import served_model
 from services.worker import engine as eng
+from services.worker.repair import InputReads, StartRead, Why
 from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
 from shared.runtime.config import ServingConfig
@@ -37,9 +40,6 @@ from shared.sdk.model import StepInput
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often a partition that wants steps without input (paced audio) is stepped
-REPAIR_PERIOD_S = 0.5  # how long an item may be missing before it is read from the stream
-STALL_S = 2.0  # no input at all this long, streams not complete: read the stream (a lost end leaves no gap)
-STALL_MAX_S = 16.0  # the wait doubles while such reads bring nothing, up to this
 
 
 @dataclass
@@ -47,11 +47,7 @@ class _Assigned:
     cid: str
     partitions: list[str]
     subs: list[Subscription] = field(default_factory=list)
-    catchup: asyncio.Task[None] | None = None
-    catchup_edges: frozenset[str] = frozenset()  # what the running catch-up read covers
-    read_to: int = 0  # the stream sequence catch-up reads of those edges have read to
-    last_input: float = field(default_factory=time.monotonic)  # live input, or a stall read, last
-    stall_s: float = STALL_S
+    catchup: asyncio.Task[None] | None = None  # the read InputReads last started
 
 
 class _Runner:
@@ -92,6 +88,7 @@ class WorkerService:
         self.js: JetStreamContext | None = None
         self._accepting = True
         self.tasks = TaskSet()
+        self.reads = InputReads()  # when a call's input is read from the stream (repair policy)
         self.repairs = 0  # catch-up reads started for items lost in transit
         self.ends = bus.StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
@@ -213,84 +210,68 @@ class WorkerService:
         # No flush (a round trip) here: assignments are handled one at a time, and the catch-up
         # read's barrier is published on this connection after these subscriptions, so the
         # server has them in place before it stores the barrier.
-        self._start_catch_up(call)
+        self._start_read(self.reads.subscribed(a.cid, self._input_edges(call), time.monotonic()))
         for p in mine:
             self.runners[p].wake.set()
 
     async def _repair_gaps(self) -> None:
         """An item can go missing in transit (published while a subscription was being set up,
-        or during a reconnect), and a stream buffer then waits on it forever. Every item is in
-        the stream: where the same item has been missing for a whole period, read the call's
-        input again from the stream (duplicates are dropped by seq)."""
-        seen: dict[str, tuple[tuple[str, int], ...]] = {}
+        or during a reconnect), and a stream buffer then waits on it forever; a lost end leaves
+        no gap but stalls the call. InputReads says which calls to read again from the stream."""
         while True:
-            await asyncio.sleep(REPAIR_PERIOD_S)
-            now: dict[str, tuple[tuple[str, int], ...]] = {}
+            await asyncio.sleep(self.reads.period_s)
+            missing: dict[str, tuple[tuple[str, int], ...]] = {}
             for r in self.runners.values():
                 for cid, gaps in r.engine.missing().items():
-                    now[cid] = now.get(cid, ()) + gaps
-            for cid, gaps in now.items():
-                call = self.calls.get(cid)
-                if call is None or seen.get(cid) != gaps:
-                    continue
-                log.warning("call %s: items %s missing for %.1fs, reading them from the stream", cid, gaps, REPAIR_PERIOD_S)
-                self.repairs += 1
-                self._start_catch_up(call)
-            seen = now
-            self._read_stalled()
-
-    def _read_stalled(self) -> None:
-        """A lost item with nothing after it, or a lost end of stream, leaves no gap to see:
-        where a call's input is incomplete and nothing has come for a while, read the stream
-        (waiting twice as long each time such a read brings nothing new, for idle clients)."""
-        t = time.monotonic()
-        for cid in {c for r in self.runners.values() for c in r.engine.awaiting_input()}:
-            call = self.calls.get(cid)
-            if call is None or t - call.last_input < call.stall_s or (call.catchup and not call.catchup.done()):
-                continue
-            log.info("call %s: no input for %.1fs, reading its input from the stream", cid, t - call.last_input)
-            call.last_input, call.stall_s = t, min(2 * call.stall_s, STALL_MAX_S)
-            self._start_catch_up(call)
+                    missing[cid] = missing.get(cid, ()) + gaps
+            awaiting = {c for r in self.runners.values() for c in r.engine.awaiting_input()}
+            for read in self.reads.tick(time.monotonic(), missing, awaiting):
+                self._start_read(read)
 
     async def _on_reconnect(self) -> None:
         """While disconnected the core subscriptions missed whatever was published: read every
         call's input again from the stream (duplicates are dropped by seq)."""
         log.warning("reconnected to NATS: reading %d calls' input from the stream", len(self.calls))
-        for call in list(self.calls.values()):
-            self._start_catch_up(call)
+        for read in self.reads.reconnected():
+            self._start_read(read)
 
-    def _start_catch_up(self, call: _Assigned) -> None:
-        """Read the call's input from the stream, unless a read of all of it is under way (one
-        started before the call gained a partition here does not cover that one's input)."""
-        edges = frozenset(e for p in call.partitions for e in self.runners[p].engine.input_edges())
+    def _input_edges(self, call: _Assigned) -> list[str]:
+        return [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
+
+    def _start_read(self, read: StartRead | None) -> None:
+        """Carry out InputReads' decision: the call's running read (if any) gives way to this one."""
+        if read is None:
+            return
+        call = self.calls.get(read.cid)
+        if call is None:
+            self.reads.forget(read.cid)
+            return
+        if read.why is Why.GAP:
+            log.warning("call %s: %s, reading them from the stream", read.cid, read.detail)
+            self.repairs += 1
+        elif read.why is Why.STALL:
+            log.info("call %s: %s, reading its input from the stream", read.cid, read.detail)
         if call.catchup is not None and not call.catchup.done():
-            if edges <= call.catchup_edges:
-                return
             call.catchup.cancel()  # read again, all of it: repeats are dropped by seq
-        placed = not edges <= call.catchup_edges  # new subscriptions: read from the start, behind a barrier
-        if placed:
-            call.read_to = 0
-        call.catchup_edges = edges
-        call.catchup = self.tasks.spawn(self._catch_up(call, sorted(edges), placed))
+        call.catchup = self.tasks.spawn(self._catch_up(call, read))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         assert self.js is not None
         stored = await self.js.get_last_msg(subjects.STREAM, subjects.open_(cid))
         return dict(wire.decode_as(await self.payloads.body(stored), wire.Open).model_kwargs)
 
-    async def _catch_up(self, call: _Assigned, edges: list[str], placed: bool) -> None:
-        """Read what the stream holds for the call's input subjects: from the start when it
-        was just placed here, else after what earlier reads read (all of that was handed to
-        the engines, so an item still missing was stored after it)."""
+    async def _catch_up(self, call: _Assigned, r: StartRead) -> None:
+        """Read what the stream holds for the call's input subjects (r says which, and from
+        where: see InputReads)."""
         assert self.js is not None
         cid = call.cid
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
-        filters = [subjects.consumed(cid, e) for e in edges] + [subjects.abort(cid), subjects.fin(cid)]
+        filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
         try:
-            if placed:
+            if r.from_start:
                 await self._barrier(call)
             # aclosing: a read left early ends its consumer now, not when the generator is collected
-            read = bus.read_stored(self.js, self.payloads, filters, after=call.read_to)
+            read = bus.read_stored(self.js, self.payloads, filters, after=r.after)
             async with contextlib.aclosing(read) as stored:
                 async for subject, data, seq in stored:
                     if cid not in self.calls:
@@ -299,11 +280,13 @@ class WorkerService:
                         await self._forget(cid)
                         return
                     await self._handle_data(subject, data, live=False)
-                    call.read_to = seq
+                    self.reads.read_progress(cid, r.read_id, seq)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("catch-up read for %s failed", cid)
+        finally:
+            self.reads.read_ended(cid, r.read_id)
 
     async def _barrier(self, call: _Assigned) -> None:
         """Store a Placed message (see wire.Placed): once it is stored, so is any input published
@@ -373,8 +356,8 @@ class WorkerService:
         if s.edge is None or s.edge not in self.consumer_of:
             return [], ""
         r = self.runners[self.consumer_of[s.edge]]
-        if live and (call := self.calls.get(s.cid)) is not None:
-            call.last_input, call.stall_s = time.monotonic(), STALL_S
+        if live:
+            self.reads.live_input(s.cid, time.monotonic())
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
             if live and isinstance(msg, wire.InputItem) and msg.sent_ns:
                 self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
@@ -395,6 +378,7 @@ class WorkerService:
         call = self.calls.pop(cid, None)
         if call is None:
             return
+        self.reads.forget(cid)
         for p in call.partitions:
             r = self.runners[p]
             async with r.lock:
@@ -492,4 +476,5 @@ class WorkerService:
             return
         if all(cid not in self.runners[p].engine for p in call.partitions):
             self.calls.pop(cid, None)
+            self.reads.forget(cid)
             self._unsubscribe_later(call)
