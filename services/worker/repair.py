@@ -14,6 +14,11 @@ stream is always safe; this module decides when one is needed and where it start
   incomplete and that got nothing for `stall_s` is read again, the wait doubling (up to
   `stall_max_s`) while such reads bring nothing, for clients that are merely idle.
 - **Reconnect.** The subscriptions missed whatever was published meanwhile: every call.
+- **Paused.** The worker had no room for the call's input (flow control, `flow.py`): it
+  stops taking the call's live input, which waits in the stream, and reads it on from
+  there at the worker's pace. A read that reaches the end of the stream while the call is
+  paused tells the shell to take live input again (`Next.RESUME`): subscribe, store a
+  barrier, read on (what was dropped before the barrier is stored before it).
 
 At most one read runs per call: a read of all the call's edges already under way covers
 any other reason; one that started before the call gained an edge here does not, and is
@@ -40,6 +45,14 @@ class Why(enum.Enum):
     GAP = "gap"
     STALL = "stall"
     RECONNECT = "reconnect"
+    PAUSED = "paused"
+
+
+class Next(enum.Enum):
+    """What follows a read that reached the end of the stream."""
+
+    DONE = "done"  # live input covers the rest
+    RESUME = "resume"  # the call is paused: take live input again, store a barrier, read on
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,7 @@ class _Call:
     read_to: int = 0  # the stream sequence reads of `covered` have read to
     last_input: float = 0.0  # live input, or a stall read, last
     stall_s: float = STALL_S
+    paused: bool = False  # live input is not taken: it waits in the stream for the running read
 
 
 class InputReads:
@@ -121,6 +135,38 @@ class InputReads:
     def reading(self, cid: str) -> bool:
         call = self._calls.get(cid)
         return call is not None and call.reading is not None
+
+    def paused(self, cid: str) -> bool:
+        """Live input for the call is to be dropped: it waits in the stream (hot path: one lookup)."""
+        call = self._calls.get(cid)
+        return call is not None and call.paused
+
+    def pause(self, cid: str) -> tuple[bool, StartRead | None]:
+        """No room for the call's input: stop taking it live. (Newly paused, and a read from
+        where reads reached, unless one runs: it reads on past what is dropped from now.)"""
+        call = self._calls.get(cid)
+        if call is None or call.paused:
+            return False, None
+        call.paused = True
+        return True, self._start(cid, call, Why.PAUSED)
+
+    def at_end(self, cid: str, read_id: int) -> Next:
+        """The read reached the end of what the stream holds. A call never paused since the
+        read began took all its live input: done. A paused one resumes (see Next.RESUME)."""
+        call = self._calls.get(cid)
+        if call is None or call.reading != read_id:
+            return Next.DONE
+        if call.paused:
+            return Next.RESUME
+        call.reading = None
+        return Next.DONE
+
+    def resumed(self, cid: str, now: float) -> None:
+        """Live input is taken again (the shell subscribed; it stores a barrier and reads on)."""
+        call = self._calls.get(cid)
+        if call is not None:
+            call.paused = False
+            call.last_input, call.stall_s = now, self.stall_s
 
     def reconnected(self) -> list[StartRead]:
         return [r for cid, call in self._calls.items() if (r := self._start(cid, call, Why.RECONNECT)) is not None]

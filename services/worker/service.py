@@ -5,8 +5,9 @@ subscribes (core NATS) to the call's input subjects of those partitions, then
 reads whatever the stream already holds for them (input that arrived before
 placement, I-2; or everything, when it replaces a lost worker). Items are
 numbered, so the overlap of the two is deduplicated by the stream buffers.
-When to read the stream, and from where, is `repair.InputReads`' to decide (pure);
-this shell carries the reads out and steps the engines.
+When to read the stream, and from where, is `repair.InputReads`' to decide, and how
+much input a call and the worker may hold, `flow.Bounds`' (both pure); this shell
+carries the reads out and steps the engines.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from nats.js import JetStreamContext
 
 from models.registry import served_model
 from services.worker import engine as eng
-from services.worker.repair import InputReads, StartRead, Why
+from services.worker.flow import Bounds
+from services.worker.repair import InputReads, Next, StartRead, Why
 from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
 from shared.runtime.config import ServingConfig
@@ -40,14 +42,38 @@ from shared.sdk.model import StepInput
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often a partition that wants steps without input (paced audio) is stepped
+READ_BATCH = 64  # messages a read fetches at once: what one that stops for want of room has fetched in vain
 
 
 @dataclass
 class _Assigned:
     cid: str
     partitions: list[str]
-    subs: list[Subscription] = field(default_factory=list)
+    subs: list[Subscription] = field(default_factory=list)  # its abort and fin
+    inputs: dict[str, Subscription] = field(default_factory=dict)  # edge -> live input (none while paused)
     catchup: asyncio.Task[None] | None = None  # the read InputReads last started
+
+
+class _Signal:
+    """Wakes every task waiting on it at the next fire() (steps free room for reads)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._waiting = 0
+
+    async def wait(self, timeout: float) -> None:
+        event = self._event
+        self._waiting += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout)
+        finally:
+            self._waiting -= 1
+
+    def fire(self) -> None:
+        if self._waiting:
+            self._event.set()
+            self._event = asyncio.Event()
 
 
 class _Runner:
@@ -89,7 +115,10 @@ class WorkerService:
         self._accepting = True
         self.tasks = TaskSet()
         self.reads = InputReads()  # when a call's input is read from the stream (repair policy)
+        self.bounds = Bounds(config.worker_call_buffer_bytes, config.worker_buffer_bytes)  # flow control
+        self._freed = _Signal()  # a step or a dropped call freed held input
         self.repairs = 0  # catch-up reads started for items lost in transit
+        self.pauses = 0  # calls whose live input was left in the stream for want of room
         self.ends = bus.StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
@@ -203,10 +232,7 @@ class WorkerService:
             call.subs.append(await self.nc.subscribe(subjects.abort(a.cid), cb=self._on_end))
             call.subs.append(await self.nc.subscribe(subjects.fin(a.cid), cb=self._on_end))
         call.partitions += mine
-        for e in [e for p in mine for e in self.runners[p].engine.input_edges()]:
-            if self.producer_of.get(e) in call.partitions:
-                continue  # produced in this process: handed over directly (_local_consumer)
-            call.subs.append(await bus.subscribe_direct(self.nc, subjects.consumed(a.cid, e), self._on_data))
+        await self._subscribe_inputs(call)
         # No flush (a round trip) here: assignments are handled one at a time, and the catch-up
         # read's barrier is published on this connection after these subscriptions, so the
         # server has them in place before it stores the barrier.
@@ -238,6 +264,53 @@ class WorkerService:
     def _input_edges(self, call: _Assigned) -> list[str]:
         return [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
 
+    async def _subscribe_inputs(self, call: _Assigned) -> None:
+        """Live input of the call's edges that have no subscription yet."""
+        assert self.nc is not None
+        for e in self._input_edges(call):
+            if e in call.inputs or self.producer_of.get(e) in call.partitions:
+                continue  # subscribed, or produced in this process: handed over directly (_local_consumer)
+            call.inputs[e] = await bus.subscribe_direct(self.nc, subjects.consumed(call.cid, e), self._on_data)
+
+    def _pause(self, cid: str) -> None:
+        """No room for the call's input: its live input is left in the stream (unsubscribed,
+        so the worker does not even receive it) and a read takes it at the worker's pace."""
+        newly, read = self.reads.pause(cid)
+        if not newly:
+            return
+        self.pauses += 1
+        call = self.calls.get(cid)
+        if call is not None:
+            subs = list(call.inputs.values())
+            call.inputs.clear()
+            self.tasks.spawn(bus.unsubscribe_all(subs))  # not from inside the subscription's own handler
+        self._start_read(read)
+
+    def _held(self, cid: str) -> tuple[int, int]:
+        """(bytes of input the call holds here, bytes all calls hold)."""
+        call_held = worker_held = 0
+        for r in self.runners.values():
+            call_held += r.engine.held(cid)
+            worker_held += r.engine.held_bytes
+        return call_held, worker_held
+
+    def _may_take(self, cid: str, live: bool) -> bool:
+        """Room for one more item of the call (flow.Bounds), live or from a read."""
+        call_held, worker_held = self._held(cid)
+        if live:
+            return self.bounds.take(call_held, worker_held)
+        return self.bounds.read_take(call_held, worker_held, any(r.engine.has_chunk(cid) for r in self.runners.values()))
+
+    async def _room(self, cid: str) -> bool:
+        """Wait until a paused call may read on or take live input again (flow.Bounds.has_room);
+        False once the call is gone."""
+        while cid in self.calls:
+            call_held, worker_held = self._held(cid)
+            if self.bounds.has_room(call_held, worker_held, any(r.engine.has_chunk(cid) for r in self.runners.values())):
+                return True
+            await self._freed.wait(0.5)
+        return False
+
     def _start_read(self, read: StartRead | None) -> None:
         """Carry out InputReads' decision: the call's running read (if any) gives way to this one."""
         if read is None:
@@ -261,32 +334,57 @@ class WorkerService:
         return dict(wire.decode_as(await self.payloads.body(stored), wire.Open).model_kwargs)
 
     async def _catch_up(self, call: _Assigned, r: StartRead) -> None:
-        """Read what the stream holds for the call's input subjects (r says which, and from
-        where: see InputReads)."""
-        assert self.js is not None
+        """Carry out a read InputReads started (from the start behind a barrier, or on from where
+        reads reached), at the worker's pace: without room for the next item it stops, the
+        call is paused, and it reads on once there is room. A paused call read to the end
+        takes live input again behind a barrier and is read on (repair.Next.RESUME)."""
         cid = call.cid
-        # abort and fin too: a call that ended before we subscribed must not hold a slot forever
-        filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
+        barrier = r.from_start
         try:
-            if r.from_start:
-                await self._barrier(call)
-            # aclosing: a read left early ends its consumer now, not when the generator is collected
-            read = bus.read_stored(self.js, self.payloads, filters, after=r.after)
-            async with contextlib.aclosing(read) as stored:
-                async for subject, data, seq in stored:
-                    if cid not in self.calls:
-                        return
-                    if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
-                        await self._forget(cid)
-                        return
-                    await self._handle_data(subject, data, live=False)
-                    self.reads.read_progress(cid, r.read_id, seq)
+            while await self._room(cid):
+                if barrier:
+                    await self._barrier(call)
+                ended = await self._read_on(call, r)
+                if ended is None:
+                    return
+                barrier = False
+                if not ended:
+                    self._pause(cid)
+                    continue
+                if self.reads.at_end(cid, r.read_id) is Next.DONE or not await self._room(cid):
+                    return
+                await self._subscribe_inputs(call)
+                self.reads.resumed(cid, time.monotonic())
+                barrier = True  # what was left in the stream before the subscriptions is stored before it
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("catch-up read for %s failed", cid)
         finally:
             self.reads.read_ended(cid, r.read_id)
+
+    async def _read_on(self, call: _Assigned, r: StartRead) -> bool | None:
+        """Read the call's input subjects from where reads reached: True once read to the end,
+        False where it stopped for want of room, None where the call ended."""
+        assert self.js is not None
+        cid = call.cid
+        # abort and fin too: a call that ended before we subscribed must not hold a slot forever
+        filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
+        # aclosing: a read left early ends its consumer now, not when the generator is collected
+        read = bus.read_stored(self.js, self.payloads, filters, after=self.reads.read_to(cid), batch=READ_BATCH)
+        async with contextlib.aclosing(read) as stored:
+            async for subject, data, seq in stored:
+                if cid not in self.calls:
+                    return None
+                if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
+                    await self._forget(cid)
+                    return None
+                took = self._take(subject, data, live=False)
+                if took is None:
+                    return False
+                await self._carry_out(*took)
+                self.reads.read_progress(cid, r.read_id, seq)
+        return True
 
     async def _barrier(self, call: _Assigned) -> None:
         """Store a Placed message (see wire.Placed): once it is stored, so is any input published
@@ -317,6 +415,8 @@ class WorkerService:
             "model": self.model_name,
             "load": self.load,
             "repairs": self.repairs,
+            "pauses": self.pauses,
+            "held_bytes": sum(r.engine.held_bytes for r in self.runners.values()),
             "store_retries": self.ends.retries,
             "partitions": parts,
             "data_path_ms": {"n": lat.count, "p50": lat.percentile(50), "p99": lat.percentile(99)},
@@ -335,34 +435,42 @@ class WorkerService:
         if self.payloads.is_stored(m):
             self.tasks.spawn(self._handle_stored(m))
             return
-        actions, partition = self._take(m.subject, m.data, live=True)
-        if actions:
-            self.tasks.spawn(self._carry_out(actions, partition))
+        self._carry_out_later(m.subject, self._take(m.subject, m.data, live=True))
 
     async def _handle_stored(self, m: Msg) -> None:
-        await self._handle_data(m.subject, await self.payloads.body(m), live=True)
+        self._carry_out_later(m.subject, self._take(m.subject, await self.payloads.body(m), live=True))
 
-    async def _handle_data(self, subject: str, data: bytes, live: bool) -> None:
-        await self._carry_out(*self._take(subject, data, live))
+    def _carry_out_later(self, subject: str, took: tuple[list[eng.Action], str] | None) -> None:
+        if took is None:  # no room for it: the call's input waits in the stream
+            self._pause(subjects.parse(subject).cid)
+        elif took[0]:
+            self.tasks.spawn(self._carry_out(*took))
 
-    def _take(self, subject: str, data: bytes, live: bool) -> tuple[list[eng.Action], str]:
-        """Hand one item or end of stream to its engine: (actions to carry out, partition)."""
+    def _take(self, subject: str, data: bytes, live: bool) -> tuple[list[eng.Action], str] | None:
+        """Hand one item or end of stream to its engine: (actions to carry out, partition), or
+        None where there is no room for the item (flow.Bounds): it is left in the stream."""
         try:
             s = subjects.parse(subject)
+            if s.edge is None or s.edge not in self.consumer_of:
+                return [], ""
+            if live and self.reads.paused(s.cid):
+                return [], ""  # left in the stream: the call's read takes it
             msg = wire.decode(data)
         except (ValueError, DuplexError):
             log.warning("dropping undecodable message on %s", subject)
             return [], ""
-        if s.edge is None or s.edge not in self.consumer_of:
-            return [], ""
         r = self.runners[self.consumer_of[s.edge]]
-        if live:
-            self.reads.live_input(s.cid, time.monotonic())
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
-            if live and isinstance(msg, wire.InputItem) and msg.sent_ns:
-                self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
+            if r.engine.wants_item(s.cid, s.edge, msg.seq) and not self._may_take(s.cid, live):
+                return None
+            if live:
+                self.reads.live_input(s.cid, time.monotonic())
+                if isinstance(msg, wire.InputItem) and msg.sent_ns:
+                    self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
             actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item())
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
+            if live:
+                self.reads.live_input(s.cid, time.monotonic())
             actions = r.engine.end(s.cid, s.edge, msg.total)
         else:
             return [], ""
@@ -383,6 +491,7 @@ class WorkerService:
             r = self.runners[p]
             async with r.lock:
                 r.engine.drop_call(cid)
+        self._freed.fire()
         self._unsubscribe_later(call)
 
     def _unsubscribe_later(self, call: _Assigned) -> None:
@@ -393,7 +502,8 @@ class WorkerService:
     async def _unsubscribe(self, call: _Assigned) -> None:
         if call.catchup is not None and not call.catchup.done() and call.catchup is not asyncio.current_task():
             call.catchup.cancel()
-        subs, call.subs = call.subs, []
+        subs, call.subs = call.subs + list(call.inputs.values()), []
+        call.inputs.clear()
         await bus.unsubscribe_all(subs)
 
     # -- stepping ------------------------------------------------------------
@@ -405,6 +515,7 @@ class WorkerService:
                 batch = r.engine.next_batch(now)
                 if batch:
                     actions = await self._run_step(name, r, batch)
+                    self._freed.fire()
             if not batch:
                 r.wake.clear()
                 due = r.engine.next_due(now)
@@ -438,6 +549,9 @@ class WorkerService:
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
                 await self.payloads.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
+                    if r.engine.wants_item(a.cid, a.edge, a.seq) and not self._may_take(a.cid, live=True):
+                        self._pause(a.cid)  # the consumer reads it from the stream, as the call's other input
+                        continue
                     r.wake.set()
                     await self._carry_out(r.engine.push(a.cid, a.edge, a.seq, a.item), r.engine.name)
             elif isinstance(a, eng.PublishEdgeEnd):
@@ -463,10 +577,11 @@ class WorkerService:
     def _local_consumer(self, cid: str, edge: str) -> _Runner | None:
         """The runner of the edge's consumer partition where it runs the call in this process:
         an edge item (or end) is then handed to it at once instead of through the bus, which
-        it also went to (so a replay, or a worker that takes over, reads it from the stream)."""
+        it also went to (so a replay, or a worker that takes over, reads it from the stream).
+        None while the call is paused: its read takes the item from the stream."""
         consumer = self.consumer_of.get(edge)
         call = self.calls.get(cid)
-        if consumer is None or call is None or consumer not in call.partitions:
+        if consumer is None or call is None or consumer not in call.partitions or self.reads.paused(cid):
             return None
         return self.runners[consumer]
 

@@ -258,11 +258,12 @@ class StoreBehind:
 
 
 async def read_stored(
-    js: JetStreamContext, payloads: Payloads, filters: list[str], after: int = 0
+    js: JetStreamContext, payloads: Payloads, filters: list[str], after: int = 0, batch: int = 512
 ) -> AsyncGenerator[tuple[str, bytes, int], None]:
     """Every message the stream holds on `filters`, oldest first: (subject, body, stream seq).
     With `after`, only those stored after that stream sequence: a reader that has read to
-    some point reads again from there, not the whole call.
+    some point reads again from there, not the whole call. At most `batch` messages are
+    fetched at once (what a reader that stops early has fetched in vain).
 
     One ephemeral consumer, read to the end and deleted: the catch-up read of workers,
     the frontend's recovery of lost outputs and `duplexbus replay` all use it.
@@ -284,7 +285,7 @@ async def read_stored(
         try:
             while pending > 0:
                 try:
-                    msgs = await sub.fetch(min(pending, 512), timeout=2.0)
+                    msgs = await sub.fetch(min(pending, batch), timeout=2.0)
                 except (NatsTimeoutError, TimeoutError):
                     return
                 for m in msgs:
