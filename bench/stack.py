@@ -109,9 +109,8 @@ class UpStack:
         finally:
             await nc.close()
 
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds (user + system) so far of each process of the stack, and of this client."""
-        tick = os.sysconf("SC_CLK_TCK")
+    def processes(self) -> dict[int, str]:
+        """pid -> role (`worker Talker`, `frontend`, `nats-server`...) of every process of the stack."""
         parent: dict[int, int] = {}
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
@@ -119,19 +118,27 @@ class UpStack:
                     parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 except (OSError, IndexError, ValueError):
                     pass
-        mine, todo = [], [self.proc.pid]
+        out: dict[int, str] = {}
+        todo = [self.proc.pid]
         while todo:
             pid = todo.pop()
-            mine.append(pid)
+            try:
+                out[pid] = _role(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+            except OSError:
+                pass
             todo += [c for c, pp in parent.items() if pp == pid]
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of each process of the stack, and of this client."""
+        tick = os.sysconf("SC_CLK_TCK")
         out: dict[str, float] = {}
-        for pid in mine:
+        for pid, role in self.processes().items():
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            out[_role(argv)] = out.get(_role(argv), 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         t = os.times()
         out["load client"] = t.user + t.system
         return out

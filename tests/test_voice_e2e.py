@@ -29,9 +29,9 @@ from clients.call import stream_call
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
-from shared.runtime.stats import percentile
 from shared.bus import nats_io as bus
 from shared.bus import subjects
+from shared.runtime.stats import percentile
 from shared.sdk.audio import b64_pcm16, pcm16_from_b64
 from tests.helpers import Stack, bus_client, pcm, running_stack
 
