@@ -28,8 +28,8 @@ import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench.stack import machine
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection
 from shared.bus.embedded import NatsServer
 from shared.runtime.config import parse_config
 from shared.runtime.stats import percentile
@@ -143,8 +143,8 @@ async def main() -> None:
     print(f"machine: {machine()}")
     with tempfile.TemporaryDirectory() as d, NatsServer(d) as server:
         cfg = parse_config({"nats_url": server.url})
-        nc = await bus.connect(cfg, "bench")
-        await bus.ensure_stream(nc.jetstream(), cfg)
+        await (await BusConnection.open(cfg, "bench")).close()  # the stream, as the services make it
+        nc = await nats.connect(server.url)
         mem0 = varz(server)["mem"]
         n, secs = await fill(nc, args.calls, args.items)
         info = await nc.jetstream().stream_info(subjects.STREAM)

@@ -29,8 +29,8 @@ from nats.js.errors import KeyNotFoundError
 
 from bench.stack import bucket_keys, is_final
 from models.echo import FRAME
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection
 from shared.bus.embedded import NatsServer, free_port
 from shared.runtime.config import parse_config
 from shared.sdk.audio import b64_pcm16
@@ -326,16 +326,13 @@ def echo_bytes(outputs: list[dict[str, Any]]) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def bus_client(nats_url: str, name: str) -> AsyncIterator[bus.Payloads]:
-    """A connection with the stream in place, as the services have it (`.nc`, `.js`)."""
-    cfg = parse_config({"nats_url": nats_url})
-    nc = await bus.connect(cfg, name)
+async def bus_client(nats_url: str, name: str) -> AsyncIterator[BusConnection]:
+    """A bus connection with the stream in place, as the services have it."""
+    conn = await BusConnection.open(parse_config({"nats_url": nats_url}), name)
     try:
-        js = nc.jetstream()
-        await bus.ensure_stream(js, cfg)
-        yield bus.Payloads(nc, js, cfg)
+        yield conn
     finally:
-        await bus.close(nc)
+        await conn.close()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
-"""bus.subscribe_direct against a real nats-server: every message reaches the handler, in
-order, with no task per subscription; a failing handler does not end the subscription."""
+"""subscribe_direct against a real nats-server: every message reaches the handler, in
+order, with no task per subscription; a failing handler does not end the subscription.
+And the nats-py internals it relies on are where it expects them: a nats-py upgrade that
+moves them fails here, loudly, rather than slowing every service down in silence."""
 
 from __future__ import annotations
 
@@ -8,7 +10,21 @@ import asyncio
 import nats
 from nats.aio.msg import Msg
 
-from shared.bus import nats_io as bus
+from shared.bus import internals
+
+
+async def test_nats_py_internals_are_where_subscribe_direct_expects_them(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        sub = await nc.subscribe("direct.check", cb=_ignore)
+        assert internals.missing_internals(sub) == [], "nats-py moved what shared/bus/internals.py relies on"
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+
+
+async def _ignore(m: Msg) -> None:
+    pass
 
 
 async def test_direct_subscription_delivers_in_order_and_survives_a_bad_message(nats_url: str) -> None:
@@ -21,8 +37,8 @@ async def test_direct_subscription_delivers_in_order_and_survives_a_bad_message(
                 raise ValueError("a handler bug")
             got.append(m.data)
 
-        sub = await bus.subscribe_direct(nc, "direct.test", handler)
-        assert isinstance(sub._pending_queue, bus._Direct)  # the fast path, not the fallback
+        sub = await internals.subscribe_direct(nc, "direct.test", handler)
+        assert internals.is_direct(sub)  # the fast path, not the fallback
         assert sub._wait_for_msgs_task is not None
         await asyncio.sleep(0)
         assert sub._wait_for_msgs_task.done()  # no task per subscription

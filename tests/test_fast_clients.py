@@ -81,12 +81,11 @@ def worker_pids(stack: Stack) -> list[int]:
 
 async def pauses(stack: Stack) -> int:
     """Calls the workers paused so far (their live input left in the stream for want of room)."""
-    async with bus_client(stack.nats_url, "test-worker-stats") as payloads:
-        kv = await payloads.js.key_value(subjects.KV_WORKERS)
+    async with bus_client(stack.nats_url, "test-worker-stats") as conn:
+        kv = await conn.bucket(subjects.KV_WORKERS, create=False)
         total = 0
         for wid in await kv.keys():
-            reply = await payloads.nc.request(subjects.worker_stats(wid), b"", timeout=5)
-            total += json.loads(reply.data)["pauses"]
+            total += json.loads(await conn.request(subjects.worker_stats(wid), b"", timeout=5))["pauses"]
         return total
 
 

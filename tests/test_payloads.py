@@ -8,31 +8,28 @@ import os
 
 import numpy as np
 import pytest
-from nats.aio.msg import Msg
 
-from shared.bus import subjects
+from shared.bus.connection import BusMsg
 from shared.runtime.config import parse_config
 from tests.helpers import WS, Stack, bus_client, echo_bytes, pcm_file, running_stack
 
 
 async def test_large_body_round_trip_through_the_object_store(nats_url: str) -> None:
-    async with bus_client(nats_url, "test-payloads") as payloads:
-        nc, js = payloads.nc, payloads.js
-        big = os.urandom(nc.max_payload + 12345)
+    async with bus_client(nats_url, "test-payloads") as conn:
+        big = os.urandom(conn.payloads.limit + 12345)
         small = b"small"
         got: asyncio.Queue[bytes] = asyncio.Queue()
 
-        async def cb(m: Msg) -> None:
-            await got.put(await payloads.body(m))
+        async def cb(m: BusMsg) -> None:
+            await got.put(await conn.body(m))
 
-        await nc.subscribe("call.payloadtest.out", cb=cb)
-        await payloads.publish("call.payloadtest.out", big)
-        await payloads.publish("call.payloadtest.out", small)
+        await conn.subscribe("call.payloadtest.out", cb)
+        await conn.publish("call.payloadtest.out", big)
+        await conn.publish("call.payloadtest.out", small)
         assert await asyncio.wait_for(got.get(), 10) == big
         assert await asyncio.wait_for(got.get(), 10) == small
         # the stream keeps the small reference, so a replay finds the body too
-        stored = await js.get_last_msg(subjects.STREAM, "call.payloadtest.out")
-        assert stored.data == small
+        assert await conn.last_stored("call.payloadtest.out") == small
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import nats
 import numpy as np
 
 from services.worker.engine import Engine
 from services.worker.repair import InputReads, StartRead, Why
 from services.worker.service import WorkerService
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
 from shared.runtime.config import parse_config
 from shared.sdk.chunking import FixedChunkPolicy, Item, StreamBuffer
@@ -144,10 +144,10 @@ async def lossy_worker(nats_url: str, drop: Callable[[str, bytes], bool]) -> Asy
     svc._take = lossy  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(svc.run(stop))
-    nc = await bus.connect(cfg, "test-repair")
+    nc = await nats.connect(nats_url)
     try:
         for _ in range(100):
-            if svc.nc is not None and svc.js is not None:
+            if svc._bus is not None:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)

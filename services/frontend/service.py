@@ -7,7 +7,6 @@ Clients reach it through `app.py`. Each call's server -> client messages go to a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -15,27 +14,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
-from nats.js.kv import KeyValue
 
 from models.registry import get_model, served_model
 from services.frontend.calls import CallInput, InputState, Prepared
 from services.frontend.protocol import Append, EndInput, Opening
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection, BusMsg, BusSubscription
+from shared.bus.kv import Bucket
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import (
+    BusError,
     CallTimeout,
     Conflict,
     DuplexError,
+    KeyTaken,
     Overloaded,
     ProtocolError,
 )
-from shared.runtime.process import TaskSet, delete_quietly, every, heartbeat
+from shared.runtime.process import TaskSet, every
 from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
@@ -66,7 +62,7 @@ class Call:
     owner: object  # the socket (or request) that opened it
     live: bool
     request_id_revision: int = 0  # the KV revision that reserved request_id (0: none)
-    subs: list[Subscription] = field(default_factory=list)
+    subs: list[BusSubscription] = field(default_factory=list)
     next_out: dict[str, int] = field(default_factory=dict)  # partition -> next seq to relay
     held: dict[tuple[str, int], bytes] = field(default_factory=dict)  # arrived ahead of a gap
     gap_since: float | None = None  # when the oldest held output started waiting
@@ -94,9 +90,7 @@ class FrontendService:
         self.config = config
         self.frontend_id = frontend_id or subjects.new_process_id("frontend")
         self.calls: dict[str, Call] = {}  # cid -> call
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
-        self.rids: KeyValue | None = None
+        self._bus: BusConnection | None = None
         self.ready = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
         self.tasks = TaskSet()  # heartbeat, timeouts, unsubscribing, output recovery, finishes
@@ -107,29 +101,61 @@ class FrontendService:
         served_model(self.default_model)
         self.model(self.default_model)
 
+    @property
+    def bus(self) -> BusConnection:
+        if self._bus is None:
+            raise RuntimeError("the frontend has not started")
+        return self._bus
+
+    @property
+    def rids(self) -> Bucket:
+        return self.bus.kv[subjects.KV_REQUEST_IDS]
+
+    @property
+    def frontends(self) -> Bucket:
+        return self.bus.kv[subjects.KV_FRONTENDS]
+
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await bus.connect(self.config, f"duplexbus-{self.frontend_id}", reconnected=self._on_reconnect)
-        self.js = self.nc.jetstream()
-        self.payloads = bus.Payloads(self.nc, self.js, self.config)
-        await bus.ensure_stream(self.js, self.config)
-        kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS])
-        self.rids = kvs[subjects.KV_REQUEST_IDS]
-        fe = kvs[subjects.KV_FRONTENDS]
+        """Returns at once: the bus connection is made in a task of its own, and the frontend
+        is ready (healthz 200, calls taken) once it is and a conductor exists. So the HTTP
+        server answers (503, "starting") while NATS is out of reach, and a stop signal in that
+        time stops it rather than waiting on the connect."""
+        self.tasks.spawn(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            self._bus = await BusConnection.open(
+                self.config,
+                f"duplexbus-{self.frontend_id}",
+                buckets=[subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS],
+                reconnected=self._on_reconnect,
+            )
+        except BusError as e:  # refused (credentials, permissions): it stays not ready, and says why
+            log.error("frontend %s cannot use the bus: %s", self.frontend_id, e)
+            raise
         hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
-        self.tasks.spawn(heartbeat(fe, self.frontend_id, lambda: hb, self.config.heartbeat_s))
+        self.tasks.spawn(self.frontends.heartbeat(self.frontend_id, lambda: hb, self.config.heartbeat_s))
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
-        self.tasks.spawn(self._wait_for_conductor())
+        await self._wait_for_conductor()
 
     async def _wait_for_conductor(self) -> None:
-        """Opens are only published once the conductor's durable consumer exists (it starts at NEW)."""
-        assert self.js is not None
+        """Opens are only published once the conductor's durable consumer exists (it starts at
+        NEW). A bus failure that waiting will not mend (permissions) stops the wait loudly."""
+        complained = False
         while True:
-            with contextlib.suppress(NotFoundError, Exception):
-                await self.js.consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
-                self.ready.set()
-                log.info("frontend %s ready", self.frontend_id)
-                return
+            try:
+                if await self.bus.has_consumer(subjects.CONDUCTOR_DURABLE):
+                    self.ready.set()
+                    log.info("frontend %s ready", self.frontend_id)
+                    return
+            except BusError as e:
+                if not e.recoverable:
+                    log.error("frontend %s cannot start serving: %s", self.frontend_id, e)
+                    raise
+                if not complained:
+                    log.warning("waiting for the conductor: %s", e)
+                    complained = True
             await asyncio.sleep(0.2)
 
     @property
@@ -158,12 +184,9 @@ class FrontendService:
         """Stop intake, drain, then stop the side tasks and leave the bus."""
         await self.drain()
         await self.tasks.close()
-        if self.js is not None:
-            with contextlib.suppress(Exception):
-                fe = await self.js.key_value(subjects.KV_FRONTENDS)
-                await delete_quietly(fe, self.frontend_id)
-        if self.nc is not None:
-            await bus.close(self.nc)
+        if self._bus is not None:
+            await self.frontends.delete_if_there(self.frontend_id)
+            await self._bus.close()
 
     def model(self, name: str | None) -> Model:
         name = name or self.default_model
@@ -177,9 +200,13 @@ class FrontendService:
             )
         return m
 
+    def stream_limits(self, name: str) -> dict[str, int | None]:
+        """max_items per client stream of model `name`, as calls of it are bounded."""
+        self.model(name)
+        return self._limits[name]
+
     # -- calls -----------------------------------------------------------------
     async def open_call(self, o: Opening, sink: Sink, owner: object, on_end: Callable[[Call], None] | None = None) -> Call:
-        assert self.js is not None and self.nc is not None and self.rids is not None
         if not self.ready.is_set():
             raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
         model_name = o.model or self.default_model
@@ -196,15 +223,15 @@ class FrontendService:
         if o.request_id is not None:
             try:
                 revision = await self.rids.create(o.request_id, cid.encode())
-            except KeyWrongLastSequenceError:
+            except KeyTaken:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
         call = Call(cid, o.request_id, inp, sink, owner, live, revision, on_end=on_end)
         self.calls[cid] = call
         try:
-            call.subs.append(await bus.subscribe_direct(self.nc, subjects.out(cid), self._on_out))
-            call.subs.append(await bus.subscribe_direct(self.nc, subjects.fin(cid), self._on_fin))
+            call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self._on_out))
+            call.subs.append(await self.bus.subscribe_direct(subjects.fin(cid), self._on_fin))
             await self._publish_items(cid, prepared)
-            await self.payloads.publish_once(
+            await self.bus.store_once(
                 subjects.open_(cid),
                 wire.encode(
                     wire.Open(
@@ -255,26 +282,26 @@ class FrontendService:
         call.reply({"append": True, "error": error, "status": 409, "late": late})
 
     async def _publish_items(self, cid: str, p: Prepared) -> None:
-        assert self.nc is not None
         for edge, seq, item in p.items:
             body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item), sent_ns=time.time_ns()))
             # Core publish: the stream stores it all the same, with no round trip per append.
             # No Nats-Msg-Id: consumers deduplicate items by seq, and the server's duplicate
             # window would track every item (measured: docs/performance.md).
-            await self.payloads.publish(subjects.input_(cid, edge), body)
+            await self.bus.publish(subjects.input_(cid, edge), body)
 
     async def _publish_ends(self, cid: str, p: Prepared) -> None:
         for edge, total in p.ended.items():
-            await self.payloads.publish_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)))
+            await self.bus.store_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)))
 
     async def abort(self, call: Call, reason: str, status: int, tell_client: bool = False) -> None:
         """End a call from this side (socket closed, timeout, refused append)."""
         if call.cid not in self.calls:
             return
         await self._cleanup(call, {"error": reason, "status": status} if tell_client else None)
-        if self.js is not None:
-            with contextlib.suppress(Exception):
-                await self.js.publish(subjects.abort(call.cid), wire.encode(wire.Abort(reason=reason, status=status)))
+        try:
+            await self.bus.store(subjects.abort(call.cid), wire.encode(wire.Abort(reason=reason, status=status)))
+        except BusError as e:  # the workers then hold the call until its own timeouts end it
+            log.error("call %s: its abort (%s) was not published: %s", call.cid, reason, e)
 
     async def _cleanup(self, call: Call, reply: dict[str, Any] | None = None) -> None:
         """Forget the call, free its request_id, then send `reply` (so a client that reads the
@@ -283,8 +310,8 @@ class FrontendService:
         call.input.close()
         for t in call.timers:
             t.cancel()
-        if call.request_id is not None and self.rids is not None:
-            await bus.release_request_id(self.rids, call.request_id, call.cid, call.request_id_revision)
+        if call.request_id is not None and self._bus is not None:
+            await self.rids.release(call.request_id, call.cid.encode(), call.request_id_revision)
         call.ended.set()
         if call.on_end is not None:
             call.on_end(call)
@@ -293,22 +320,22 @@ class FrontendService:
         subs, call.subs = call.subs, []
         # In a task of its own: unsubscribing from inside that subscription's callback (a fin
         # or the last output) would cancel the callback itself.
-        self.tasks.spawn(bus.unsubscribe_all(subs))
+        self.tasks.spawn(BusConnection.unsubscribe_all(subs))
 
     # -- from the bus ----------------------------------------------------------
-    def _on_out(self, m: Msg) -> None:
-        """Straight from the read loop (bus.subscribe_direct): an output goes to the socket
+    def _on_out(self, m: BusMsg) -> None:
+        """Straight from the read loop (BusConnection.subscribe_direct): an output goes to the socket
         with no task in between; only a large one (in the Object Store) needs one."""
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is None:
             return
-        if self.payloads.is_stored(m):
+        if self.bus.is_stored(m):
             self.tasks.spawn(self._accept_stored_output(call, m))
         else:
             self._accept_output(call, m.data)
 
-    async def _accept_stored_output(self, call: Call, m: Msg) -> None:
-        self._accept_output(call, await self.payloads.body(m))
+    async def _accept_stored_output(self, call: Call, m: BusMsg) -> None:
+        self._accept_output(call, await self.bus.body(m))
 
     def _accept_output(self, call: Call, body: bytes) -> None:
         """Relay in per-partition seq order; hold what comes ahead of a gap; drop repeats.
@@ -354,10 +381,9 @@ class FrontendService:
         call.recovering = True
 
         async def recover() -> None:
-            assert self.js is not None
             try:
                 filters = [subjects.out(call.cid), subjects.fin(call.cid)]
-                async for subject, body, seq in bus.read_stored(self.js, self.payloads, filters, after=call.read_to):
+                async for subject, body, seq in self.bus.read_stored(filters, after=call.read_to):
                     call.read_to = seq
                     if subjects.parse(subject).kind == subjects.FIN:
                         await self._accept_fin(call, body)
@@ -370,7 +396,7 @@ class FrontendService:
 
         self.tasks.spawn(recover())
 
-    def _on_fin(self, m: Msg) -> None:
+    def _on_fin(self, m: BusMsg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is not None:
             self.tasks.spawn(self._accept_fin(call, m.data))

@@ -22,20 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 
 from models.registry import served_model
 from services.worker import engine as eng
 from services.worker.flow import Bounds
 from services.worker.repair import InputReads, Next, StartRead, Why
-from shared.bus import nats_io as bus
 from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection, BusMsg, BusSubscription
+from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import DuplexError, Overloaded, WorkerFailed
-from shared.runtime.process import TaskSet, delete_quietly, heartbeat
+from shared.runtime.process import TaskSet
 from shared.runtime.stats import Reservoir
 from shared.sdk.model import StepInput
 
@@ -49,8 +46,8 @@ READ_BATCH = 64  # messages a read fetches at once: what one that stops for want
 class _Assigned:
     cid: str
     partitions: list[str]
-    subs: list[Subscription] = field(default_factory=list)  # its abort and fin
-    inputs: dict[str, Subscription] = field(default_factory=dict)  # edge -> live input (none while paused)
+    subs: list[BusSubscription] = field(default_factory=list)  # its abort and fin
+    inputs: dict[str, BusSubscription] = field(default_factory=dict)  # edge -> live input (none while paused)
     catchup: asyncio.Task[None] | None = None  # the read InputReads last started
 
 
@@ -110,8 +107,7 @@ class WorkerService:
         self.consumer_of = {c.edge_name: c.to_partition for c in topo.connections if c.to_partition in self.partitions}
         self.producer_of = {c.edge_name: c.from_partition for c in topo.connections}
         self.calls: dict[str, _Assigned] = {}
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
+        self._bus: BusConnection | None = None
         self._accepting = True
         self.tasks = TaskSet()
         self.reads = InputReads()  # when a call's input is read from the stream (repair policy)
@@ -119,8 +115,14 @@ class WorkerService:
         self._freed = _Signal()  # a step or a dropped call freed held input
         self.repairs = 0  # catch-up reads started for items lost in transit
         self.pauses = 0  # calls whose live input was left in the stream for want of room
-        self.ends = bus.StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
+        self.ends = StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
+
+    @property
+    def bus(self) -> BusConnection:
+        if self._bus is None:
+            raise RuntimeError("the worker has not started")
+        return self._bus
 
     @property
     def load(self) -> int:
@@ -137,18 +139,16 @@ class WorkerService:
         return min(bounds)
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await bus.connect(self.config, f"duplexbus-{self.worker_id}", reconnected=self._on_reconnect)
-        self.js = self.nc.jetstream()
-        self.payloads = bus.Payloads(self.nc, self.js, self.config)
-        await bus.ensure_stream(self.js, self.config)
-        kvs = await bus.ensure_buckets(self.js, self.config, [subjects.KV_WORKERS])
-        kv = kvs[subjects.KV_WORKERS]
-        await self.nc.subscribe(subjects.assign(self.worker_id), cb=self._on_assign)
-        await self.nc.subscribe(subjects.worker_stats(self.worker_id), cb=self._on_stats)
+        self._bus = await BusConnection.open(
+            self.config, f"duplexbus-{self.worker_id}", buckets=[subjects.KV_WORKERS], reconnected=self._on_reconnect
+        )
+        kv = self.bus.kv[subjects.KV_WORKERS]
+        await self.bus.subscribe(subjects.assign(self.worker_id), self._on_assign)
+        await self.bus.subscribe(subjects.worker_stats(self.worker_id), self._on_stats)
         log.info("worker %s serving %s %s", self.worker_id, self.model_name, self.partitions)
         async with asyncio.TaskGroup() as tg:
             steppers = [tg.create_task(self._step_loop(name, r)) for name, r in self.runners.items()]
-            hb = tg.create_task(heartbeat(kv, self.worker_id, self._heartbeat, self.config.heartbeat_s))
+            hb = tg.create_task(kv.heartbeat(self.worker_id, self._heartbeat, self.config.heartbeat_s))
             repair = tg.create_task(self._repair_gaps())
             ends = tg.create_task(self.ends.run())
             await stop.wait()
@@ -159,13 +159,13 @@ class WorkerService:
             await kv.put(self.worker_id, self._heartbeat())
             await self._drain(timeout=self.config.shutdown_drain_s)
             hb.cancel()
-            await delete_quietly(kv, self.worker_id)
+            await kv.delete_if_there(self.worker_id)
             repair.cancel()
             ends.cancel()
             for t in steppers:
                 t.cancel()
         await self.tasks.close()
-        await bus.close(self.nc)
+        await self.bus.close()
 
     def _heartbeat(self) -> bytes:
         return wire.encode(
@@ -188,7 +188,7 @@ class WorkerService:
             log.warning("stopping with %d calls unfinished, %d messages not stored", len(self.calls), len(self.ends))
 
     # -- assignment ----------------------------------------------------------
-    async def _on_assign(self, msg: Msg) -> None:
+    async def _on_assign(self, msg: BusMsg) -> None:
         try:
             a = wire.decode_as(msg.data, wire.Assign)
             await self._assign(a)
@@ -205,7 +205,6 @@ class WorkerService:
         """Take the call's partitions that run here. A call may come back for more of its
         partitions (another worker of one of them died and it was placed here): only the new
         ones are added; an assignment repeated by the conductor changes nothing."""
-        assert self.nc is not None
         if not self._accepting:
             raise Overloaded("worker is shutting down")
         call = self.calls.get(a.cid)
@@ -229,8 +228,8 @@ class WorkerService:
             raise
         if call is None:
             call = self.calls[a.cid] = _Assigned(a.cid, [])
-            call.subs.append(await self.nc.subscribe(subjects.abort(a.cid), cb=self._on_end))
-            call.subs.append(await self.nc.subscribe(subjects.fin(a.cid), cb=self._on_end))
+            call.subs.append(await self.bus.subscribe(subjects.abort(a.cid), self._on_end))
+            call.subs.append(await self.bus.subscribe(subjects.fin(a.cid), self._on_end))
         call.partitions += mine
         await self._subscribe_inputs(call)
         # No flush (a round trip) here: assignments are handled one at a time, and the catch-up
@@ -266,11 +265,10 @@ class WorkerService:
 
     async def _subscribe_inputs(self, call: _Assigned) -> None:
         """Live input of the call's edges that have no subscription yet."""
-        assert self.nc is not None
         for e in self._input_edges(call):
             if e in call.inputs or self.producer_of.get(e) in call.partitions:
                 continue  # subscribed, or produced in this process: handed over directly (_local_consumer)
-            call.inputs[e] = await bus.subscribe_direct(self.nc, subjects.consumed(call.cid, e), self._on_data)
+            call.inputs[e] = await self.bus.subscribe_direct(subjects.consumed(call.cid, e), self._on_data)
 
     def _pause(self, cid: str) -> None:
         """No room for the call's input: its live input is left in the stream (unsubscribed,
@@ -283,7 +281,7 @@ class WorkerService:
         if call is not None:
             subs = list(call.inputs.values())
             call.inputs.clear()
-            self.tasks.spawn(bus.unsubscribe_all(subs))  # not from inside the subscription's own handler
+            self.tasks.spawn(BusConnection.unsubscribe_all(subs))  # not from inside the subscription's own handler
         self._start_read(read)
 
     def _held(self, cid: str) -> tuple[int, int]:
@@ -329,9 +327,8 @@ class WorkerService:
         call.catchup = self.tasks.spawn(self._catch_up(call, read))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
-        assert self.js is not None
-        stored = await self.js.get_last_msg(subjects.STREAM, subjects.open_(cid))
-        return dict(wire.decode_as(await self.payloads.body(stored), wire.Open).model_kwargs)
+        stored = await self.bus.last_stored(subjects.open_(cid))
+        return dict(wire.decode_as(stored, wire.Open).model_kwargs)
 
     async def _catch_up(self, call: _Assigned, r: StartRead) -> None:
         """Carry out a read InputReads started (from the start behind a barrier, or on from where
@@ -366,12 +363,11 @@ class WorkerService:
     async def _read_on(self, call: _Assigned, r: StartRead) -> bool | None:
         """Read the call's input subjects from where reads reached: True once read to the end,
         False where it stopped for want of room, None where the call ended."""
-        assert self.js is not None
         cid = call.cid
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
         filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
         # aclosing: a read left early ends its consumer now, not when the generator is collected
-        read = bus.read_stored(self.js, self.payloads, filters, after=self.reads.read_to(cid), batch=READ_BATCH)
+        read = self.bus.read_stored(filters, after=self.reads.read_to(cid), batch=READ_BATCH)
         async with contextlib.aclosing(read) as stored:
             async for subject, data, seq in stored:
                 if cid not in self.calls:
@@ -392,11 +388,11 @@ class WorkerService:
         and stall reads cover what it misses."""
         placed = wire.Placed(worker_id=self.worker_id, partitions=list(call.partitions))
         try:
-            await self.payloads.publish(subjects.placed(call.cid, self.worker_id), wire.encode(placed), ack=True)
+            await self.bus.store(subjects.placed(call.cid, self.worker_id), wire.encode(placed))
         except Exception as e:
             log.warning("call %s: the barrier before its catch-up read was not stored (%r)", call.cid, e)
 
-    async def _on_stats(self, msg: Msg) -> None:
+    async def _on_stats(self, msg: BusMsg) -> None:
         """Live figures for operators and benchmarks; a request body of b"reset" clears them after."""
         parts = {}
         for name, r in self.runners.items():
@@ -429,16 +425,16 @@ class WorkerService:
             await msg.respond(json.dumps(body).encode())
 
     # -- data ----------------------------------------------------------------
-    def _on_data(self, m: Msg) -> None:
-        """Straight from the read loop (bus.subscribe_direct): most items only go into a
+    def _on_data(self, m: BusMsg) -> None:
+        """Straight from the read loop (BusConnection.subscribe_direct): most items only go into a
         stream buffer and wake the step loop, with no task in between."""
-        if self.payloads.is_stored(m):
+        if self.bus.is_stored(m):
             self.tasks.spawn(self._handle_stored(m))
             return
         self._carry_out_later(m.subject, self._take(m.subject, m.data, live=True))
 
-    async def _handle_stored(self, m: Msg) -> None:
-        self._carry_out_later(m.subject, self._take(m.subject, await self.payloads.body(m), live=True))
+    async def _handle_stored(self, m: BusMsg) -> None:
+        self._carry_out_later(m.subject, self._take(m.subject, await self.bus.body(m), live=True))
 
     def _carry_out_later(self, subject: str, took: tuple[list[eng.Action], str] | None) -> None:
         if took is None:  # no room for it: the call's input waits in the stream
@@ -477,7 +473,7 @@ class WorkerService:
         r.wake.set()
         return actions, r.engine.name
 
-    async def _on_end(self, m: Msg) -> None:
+    async def _on_end(self, m: BusMsg) -> None:
         """The call was aborted or finished elsewhere: forget it."""
         s = subjects.parse(m.subject)
         await self._forget(s.cid)
@@ -504,7 +500,7 @@ class WorkerService:
             call.catchup.cancel()
         subs, call.subs = call.subs + list(call.inputs.values()), []
         call.inputs.clear()
-        await bus.unsubscribe_all(subs)
+        await BusConnection.unsubscribe_all(subs)
 
     # -- stepping ------------------------------------------------------------
     async def _step_loop(self, name: str, r: _Runner) -> None:
@@ -540,14 +536,13 @@ class WorkerService:
             return [a for s in batch for a in r.engine.fail_call(s.cid, err)]
 
     async def _carry_out(self, actions: list[eng.Action], partition: str) -> None:
-        assert self.nc is not None and self.js is not None
         for a in actions:
             if isinstance(a, eng.PublishOutput):
                 body = wire.encode(wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data)))
-                await self.payloads.publish(subjects.out(a.cid), body)
+                await self.bus.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
-                await self.payloads.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
+                await self.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
                     if r.engine.wants_item(a.cid, a.edge, a.seq) and not self._may_take(a.cid, live=True):
                         self._pause(a.cid)  # the consumer reads it from the stream, as the call's other input
@@ -572,7 +567,7 @@ class WorkerService:
                 await self._forget(a.cid)
 
     async def _store_once(self, subject: str, body: bytes) -> None:
-        await self.payloads.publish_once(subject, body)
+        await self.bus.store_once(subject, body)
 
     def _local_consumer(self, cid: str, edge: str) -> _Runner | None:
         """The runner of the edge's consumer partition where it runs the call in this process:

@@ -22,6 +22,11 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True):
     replicas: int = 1
 
 
+class RealtimeConfig(msgspec.Struct, forbid_unknown_fields=True):
+    resume_grace_s: float = 30.0  # a dropped /v1/realtime socket may resume its session this long
+    response_wait_s: float = 10.0  # a response made by response.create waits this long for the model's reply
+
+
 class TLSConfig(msgspec.Struct, forbid_unknown_fields=True):
     ca_file: str | None = None
     cert_file: str | None = None
@@ -53,6 +58,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
     shutdown_drain_s: float = 10.0  # a stopping frontend or worker lets live calls end this long
+    realtime: RealtimeConfig = msgspec.field(default_factory=RealtimeConfig)
 
     def __post_init__(self) -> None:
         positive = {
@@ -73,10 +79,13 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "retention.max_age_s": self.retention.max_age_s,
             "retention.max_bytes": self.retention.max_bytes,
             "retention.replicas": self.retention.replicas,
+            "realtime.response_wait_s": self.realtime.response_wait_s,
         }
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(key, f"must be > 0, got {value}")
+        if self.realtime.resume_grace_s < 0:
+            raise ConfigError("realtime.resume_grace_s", "must be >= 0")
         if self.step_window_ms < 0:
             raise ConfigError("step_window_ms", "must be >= 0")
         if self.max_queued_requests < 0:

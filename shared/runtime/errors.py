@@ -67,3 +67,50 @@ class ConfigError(DuplexError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+
+
+class BusError(DuplexError):
+    """The bus (NATS) failed an operation; `doing` says which. `recoverable`: the same
+    operation may work later (a timeout, a server restarting, no connection); otherwise it
+    will not without a change (permissions, a request the server refuses). A service retries
+    the first kind and stops with a clear message on the second."""
+
+    status = 503
+    recoverable = True
+
+    def __init__(self, doing: str, message: str) -> None:
+        super().__init__(f"{doing}: {message}")
+        self.doing = doing
+
+
+class BusTimeout(BusError):
+    """No answer in time (the server is slow, restarting, or out of reach)."""
+
+
+class BusUnavailable(BusError):
+    """Not connected, the connection closed, or no one answers on that subject."""
+
+
+class BusNotFound(BusError):
+    """The stream, consumer, bucket or key asked for does not exist."""
+
+    status = 404
+
+
+class BusDenied(BusError):
+    """The server refused for want of permission, or the credentials were refused."""
+
+    recoverable = False
+
+
+class BusRefused(BusError):
+    """The server refused the request itself (a bad request, a limit, storage full)."""
+
+    recoverable = False
+
+
+class KeyTaken(BusError):
+    """A create in a KV bucket found the key already there (a live request_id, say)."""
+
+    status = 409
+    recoverable = False

@@ -1,0 +1,419 @@
+"""One process's connection to the bus: `BusConnection`, opened once, typed, closed once.
+
+Every service (and `duplexbus up`, and the CLI's bus commands) talks to NATS through it:
+it connects, creates (idempotently) the stream and the buckets it is asked for, publishes
+(with bodies over the server's max_payload through the Object Store), subscribes, reads
+what the stream holds, and closes. nats-py's exceptions come out as `BusError`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import nats
+from nats import micro
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from shared.bus import subjects
+from shared.bus.failures import Denials, mapped
+from shared.bus.history import Stored, read_history
+from shared.bus.internals import subscribe_direct
+from shared.bus.kv import Bucket
+from shared.bus.payloads import Payloads
+from shared.runtime.config import ServingConfig
+from shared.runtime.errors import BusError, BusNotFound, BusTimeout, BusUnavailable
+
+log = logging.getLogger(__name__)
+
+BusMsg = Msg
+"""A message as handlers get it: `.subject`, `.data`, `.headers`, `.reply`, `await .respond(b)`,
+`await .ack()` (durable consumers)."""
+
+BusSubscription = Subscription
+
+# History and TTL per bucket: heartbeats expire so a dead process disappears by itself.
+BUCKETS: dict[str, dict[str, Any]] = {
+    subjects.KV_WORKERS: {"history": 1},
+    subjects.KV_FRONTENDS: {"history": 1},
+    subjects.KV_CALLS: {"history": 1},
+    subjects.KV_REQUEST_IDS: {"history": 1},
+}
+HEARTBEAT_BUCKETS = (subjects.KV_WORKERS, subjects.KV_FRONTENDS)
+
+
+def stream_config(config: ServingConfig) -> StreamConfig:
+    return StreamConfig(
+        name=subjects.STREAM,
+        subjects=subjects.STREAM_SUBJECTS,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=config.retention.max_age_s,
+        max_bytes=config.retention.max_bytes,
+        num_replicas=config.retention.replicas,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
+        allow_direct=True,
+    )
+
+
+def conductor_consumer() -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=subjects.CONDUCTOR_DURABLE,
+        filter_subjects=subjects.CONDUCTOR_FILTERS,
+        ack_policy=AckPolicy.EXPLICIT,
+        # A new durable starts at now: opens of calls from before it existed are history,
+        # not work. Frontends wait for this consumer before they accept calls.
+        deliver_policy=DeliverPolicy.NEW,
+        ack_wait=30,
+        max_ack_pending=10_000,
+    )
+
+
+def redacted(urls: str | None) -> str:
+    """NATS URL(s) without passwords, for messages and logs."""
+    out = []
+    for url in (urls or "").split(","):
+        parts = urlsplit(url)
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+            url = parts._replace(netloc=netloc).geturl()
+        out.append(url)
+    return ",".join(out)
+
+
+def _connect_options(config: ServingConfig, name: str) -> dict[str, Any]:
+    if not config.nats_url:
+        raise BusUnavailable("connecting", "no NATS URL: set NATS_URL or nats_url in the config")
+    opts: dict[str, Any] = {
+        "servers": config.nats_url.split(","),
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "pending_size": 64 * 1024 * 1024,
+    }
+    if config.nats_creds:
+        opts["user_credentials"] = config.nats_creds
+    if config.nats_tls:
+        ctx = ssl.create_default_context(cafile=config.nats_tls.ca_file)
+        if config.nats_tls.cert_file:
+            ctx.load_cert_chain(config.nats_tls.cert_file, config.nats_tls.key_file)
+        opts["tls"] = ctx
+    return opts
+
+
+class Durable:
+    """A durable pull consumer (the conductor's): fetch a batch, acknowledge each message."""
+
+    def __init__(self, sub: JetStreamContext.PullSubscription, denials: Denials) -> None:
+        self._sub = sub
+        self._denials = denials
+
+    async def fetch(self, batch: int, timeout: float) -> list[BusMsg]:
+        """Up to `batch` messages; [] when none came within `timeout`."""
+        try:
+            with mapped("fetching from the conductor's consumer", self._denials):
+                return list(await self._sub.fetch(batch, timeout=timeout))
+        except BusTimeout:
+            return []
+
+
+def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[micro.Request], Awaitable[None]]:
+    async def on_request(req: micro.Request) -> None:
+        try:
+            await req.respond(await handler(req.data))
+        except Exception as e:  # answered as a service error, as nats micro clients expect
+            log.exception("answering %s failed", req.subject)
+            await req.respond_error("500", str(e))
+
+    return on_request
+
+
+class Announcement:
+    """A process's entry in NATS service discovery; `stop()` takes it out."""
+
+    def __init__(self, svc: Any) -> None:
+        self._svc = svc
+
+    async def stop(self) -> None:
+        try:
+            await self._svc.stop()
+        except Exception as e:  # the connection may be closing: the entry goes with it
+            log.debug("stopping service discovery: %r", e)
+
+
+class BusConnection:
+    """A process's one connection. `open()` it once; `close()` it once, last."""
+
+    def __init__(self, nc: Client, config: ServingConfig, denials: Denials) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self.config = config
+        self._denials = denials
+        self.payloads = Payloads(self._js, config, int(nc.max_payload))
+        self.kv: dict[str, Bucket] = {}
+
+    @classmethod
+    async def open(
+        cls,
+        config: ServingConfig,
+        name: str,
+        *,
+        buckets: Sequence[str] = (),
+        stream: bool = True,
+        reconnected: Callable[[], Awaitable[None]] | None = None,
+        connect_timeout: float | None = None,
+    ) -> BusConnection:
+        """Connect, then create the stream (unless `stream=False`) and `buckets` where missing.
+
+        The connect retries until NATS answers, or for `connect_timeout` seconds where one is
+        given (a CLI command, which should say "cannot reach NATS" rather than wait forever).
+        `reconnected` runs after each reconnect: core subscriptions missed what was published
+        meanwhile, and the caller reads it from the stream."""
+        denials = Denials()
+        opts = _connect_options(config, name)
+
+        async def on_error(e: Exception) -> None:
+            if "permissions violation" in str(e).lower():
+                denials.saw(str(e).removeprefix("nats: "))
+                log.error("NATS refused an operation: %s", e)
+            elif connect_timeout is None:  # a service: say so; a CLI command says it once, on failing
+                log.warning("NATS: %s", e or type(e).__name__)
+
+        opts["error_cb"] = on_error
+        if reconnected is not None:
+            opts["reconnected_cb"] = reconnected
+        with mapped(f"connecting to {redacted(config.nats_url)}", denials):
+            if connect_timeout is None:
+                nc = await nats.connect(**opts)
+            else:  # one try at each server
+                opts.update(allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=min(2.0, connect_timeout))
+                nc = await asyncio.wait_for(nats.connect(**opts), connect_timeout)
+        conn = cls(nc, config, denials)
+        try:
+            if stream:
+                await conn.ensure_stream()
+            for b in buckets:
+                conn.kv[b] = await conn.bucket(b)
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    # -- set-up ----------------------------------------------------------------
+    async def ensure_stream(self) -> None:
+        cfg = stream_config(self.config)
+        with mapped("creating the stream", self._denials):
+            try:
+                await self._js.add_stream(cfg)
+            except BadRequestError:
+                # Exists with other settings (another service won the race, or the config changed).
+                await self._js.update_stream(cfg)
+
+    async def bucket(self, name: str, create: bool = True) -> Bucket:
+        """The bucket `name`, created with its settings (BUCKETS) where missing and `create`."""
+        with mapped(f"opening bucket {name}", self._denials):
+            try:
+                kv = await self._js.key_value(name)
+            except NotFoundError:
+                if not create:
+                    raise
+                ttl = self.config.liveness_s if name in HEARTBEAT_BUCKETS else None
+                cfg = KeyValueConfig(bucket=name, ttl=ttl, replicas=self.config.retention.replicas, **BUCKETS[name])
+                try:
+                    kv = await self._js.create_key_value(cfg)
+                except BadRequestError:  # another process created it meanwhile
+                    kv = await self._js.key_value(name)
+        return Bucket(kv, name, self._denials)
+
+    async def durable(self, config: ConsumerConfig) -> Durable:
+        """The durable consumer `config` names, created where missing, bound for pulling."""
+        name = config.durable_name or ""
+        with mapped(f"binding consumer {name}", self._denials):
+            try:
+                await self._js.add_consumer(subjects.STREAM, config)
+            except BadRequestError:
+                log.debug("consumer %s exists with other settings", name)
+            sub = await self._js.pull_subscribe_bind(durable=name, stream=subjects.STREAM)
+        return Durable(sub, self._denials)
+
+    async def has_consumer(self, durable: str) -> bool:
+        try:
+            with mapped(f"looking up consumer {durable}", self._denials):
+                await self._js.consumer_info(subjects.STREAM, durable)
+        except BusNotFound:
+            return False
+        return True
+
+    # -- publishing ------------------------------------------------------------
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        """A core publish (the stream stores it all the same, with no round trip)."""
+        with mapped(f"publishing {subject}", self._denials):
+            headers, body = await self.payloads.outgoing(subject, body, headers)
+            await self._nc.publish(subject, body, headers=headers)
+
+    async def store(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        """A JetStream publish: returns once the stream has stored it."""
+        with mapped(f"storing {subject}", self._denials):
+            headers, body = await self.payloads.outgoing(subject, body, headers)
+            await self._js.publish(subject, body, headers=headers)
+
+    async def store_once(self, subject: str, body: bytes) -> None:
+        """A message a call has once (open, end of input, edge end, done, fin), stored with an
+        ack. Its subject is unique in the call, so it is also its `Nats-Msg-Id`: a republish
+        after a reconnect is deduplicated by the stream."""
+        await self.store(subject, body, headers={"Nats-Msg-Id": subject})
+
+    async def request(self, subject: str, body: bytes, timeout: float) -> bytes:
+        with mapped(f"asking {subject}", self._denials):
+            reply = await self._nc.request(subject, body, timeout=timeout)
+        return bytes(reply.data)
+
+    # -- subscribing -----------------------------------------------------------
+    async def subscribe(self, subject: str, handler: Callable[[BusMsg], Awaitable[None]]) -> BusSubscription:
+        """An ordinary subscription: each message awaits `handler` in the subscription's task."""
+        with mapped(f"subscribing to {subject}", self._denials):
+            return await self._nc.subscribe(subject, cb=handler)
+
+    async def subscribe_direct(self, subject: str, handler: Callable[[BusMsg], None]) -> BusSubscription:
+        """A subscription whose messages reach a plain function from the read loop (no task
+        per message; see internals.py). The handler must not block."""
+        with mapped(f"subscribing to {subject}", self._denials):
+            return await subscribe_direct(self._nc, subject, handler)
+
+    @staticmethod
+    async def unsubscribe_all(subs: list[BusSubscription]) -> None:
+        """Best effort: a subscription of a connection that is closing may already be gone."""
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as e:  # nats-py raises its own kinds here; nothing is left to undo
+                log.debug("unsubscribing %s: %r", sub.subject, e)
+
+    # -- reading the stream ----------------------------------------------------
+    def is_stored(self, msg: BusMsg) -> bool:
+        """The body is in the Object Store (it was over max_payload); `body()` fetches it."""
+        return self.payloads.is_stored(msg.headers)
+
+    async def body(self, msg: BusMsg) -> bytes:
+        with mapped(f"reading the body of {msg.subject}", self._denials):
+            return await self.payloads.body(msg.headers, msg.data)
+
+    async def last_stored(self, subject: str) -> bytes:
+        """The body of the last message the stream holds on `subject` (BusNotFound: none)."""
+        with mapped(f"reading the last {subject}", self._denials):
+            m = await self._js.get_last_msg(subjects.STREAM, subject)
+            return await self.payloads.body(m.headers, m.data or b"")
+
+    async def read_stored(
+        self, filters: list[str], after: int = 0, batch: int = 512
+    ) -> AsyncGenerator[tuple[str, bytes, int], None]:
+        """Every message the stream holds on `filters`, oldest first: (subject, body, stream seq).
+        With `after`, only those stored after that stream sequence: a reader that has read to
+        some point reads again from there, not the whole call. At most `batch` messages are
+        fetched at once (what a reader that stops early has fetched in vain).
+
+        One ephemeral consumer, read to the end and deleted: the catch-up read of workers,
+        the frontend's recovery of lost outputs and `duplexbus replay` all use it."""
+        async for m in self.read_stored_msgs(filters, after, batch):
+            yield m.subject, await self.body(m), m.metadata.sequence.stream
+
+    async def read_stored_msgs(self, filters: list[str], after: int = 0, batch: int = 512) -> AsyncGenerator[BusMsg, None]:
+        """As read_stored, the messages themselves (with `.metadata`: the stream's sequence and
+        the time the stream stored each)."""
+        cfg = ConsumerConfig(
+            filter_subjects=filters,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after else DeliverPolicy.ALL,
+            opt_start_seq=after + 1 if after else None,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        doing = f"reading {', '.join(filters)}"
+        with mapped(doing, self._denials):
+            info = await self._js.add_consumer(subjects.STREAM, cfg)
+        pending = info.num_pending or 0
+        try:
+            if pending == 0:
+                return
+            with mapped(doing, self._denials):
+                sub = await self._js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
+            try:
+                while pending > 0:
+                    try:
+                        with mapped(doing, self._denials):
+                            msgs = await sub.fetch(min(pending, batch), timeout=2.0)
+                    except BusTimeout:
+                        return
+                    for m in msgs:
+                        pending = m.metadata.num_pending
+                        yield m
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except Exception as e:  # the consumer goes below either way
+                    log.debug("unsubscribing a read: %r", e)
+        finally:
+            try:
+                with mapped(doing, self._denials):
+                    await self._js.delete_consumer(subjects.STREAM, info.name)
+            except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
+                log.debug("deleting a read's consumer: %s", e)
+
+    def history(self, filters: list[str], *, follow: bool = False, since: float | None = None) -> AsyncGenerator[Stored, None]:
+        """What the stream holds on `filters` with its timestamps, oldest first, read fast (a
+        push consumer: see history.py); with `follow`, then what it stores next."""
+        return read_history(self._nc, self._js, self.payloads, self._denials, filters, follow, since)
+
+    # -- service discovery -----------------------------------------------------
+    async def announce(
+        self,
+        name: str,
+        version: str,
+        description: str,
+        metadata: dict[str, str],
+        endpoints: dict[str, tuple[str, Callable[[bytes], Awaitable[bytes]]]],
+    ) -> Announcement:
+        """Answer NATS service discovery (`$SRV.PING/INFO/STATS`, so `nats micro ls` lists this
+        process) with `endpoints`: endpoint name -> (subject, handler of a request's body)."""
+        with mapped(f"announcing {name}", self._denials):
+            svc = await micro.add_service(self._nc, name=name, version=version, description=description, metadata=metadata)
+            for ep, (subject, handler) in endpoints.items():
+                await svc.add_endpoint(name=ep, subject=subject, handler=_micro_handler(handler))
+        return Announcement(svc)
+
+    # -- closing ---------------------------------------------------------------
+    async def close(self, timeout: float = 2.0) -> None:
+        """Flush what is written, then close. (nats-py's drain waits up to 30 s on the KV
+        watchers' consumers; nothing here needs drain: unacked work is redelivered.)"""
+        try:
+            await asyncio.wait_for(self._nc.flush(), timeout)
+        except Exception as e:  # a closed or unreachable server: what was not flushed is lost either way
+            log.debug("flush before close: %r", e)
+        try:
+            await self._nc.close()
+        except Exception as e:
+            log.debug("close: %r", e)

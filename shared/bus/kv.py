@@ -1,0 +1,144 @@
+"""KV buckets as the services use them: heartbeats, call records, request_ids.
+
+`Bucket` wraps a nats-py KeyValue so that no service imports nats-py: its failures come
+out as `BusError`s (shared.runtime.errors), a create that finds the key as `KeyTaken`,
+and entries as plain `KvEntry` values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js.errors import NoKeysError
+from nats.js.kv import KeyValue
+
+from shared.bus.failures import Denials, mapped
+from shared.runtime.errors import BusError, BusNotFound
+from shared.runtime.process import every
+
+log = logging.getLogger(__name__)
+
+PUT, DELETE, PURGE = "PUT", "DEL", "PURGE"
+
+
+@dataclass(frozen=True)
+class KvEntry:
+    key: str
+    value: bytes
+    revision: int
+    operation: str  # PUT, DEL or PURGE
+
+    @property
+    def removed(self) -> bool:
+        return self.operation in (DELETE, PURGE)
+
+
+def _entry(e: Any) -> KvEntry:
+    return KvEntry(e.key, bytes(e.value or b""), int(e.revision or 0), e.operation or PUT)
+
+
+class Watch:
+    """Every change of a bucket, as it happens (after the entries it holds now)."""
+
+    def __init__(self, watcher: Any, bucket: str, denials: Denials) -> None:
+        self._w = watcher
+        self._what = f"watching {bucket}"
+        self._denials = denials
+
+    async def next(self, timeout: float) -> KvEntry | None:
+        """The next change; None marks the end of the entries that were there at the start.
+        Raises BusTimeout when none comes within `timeout`."""
+        with mapped(self._what, self._denials):
+            e = await self._w.updates(timeout=timeout)
+        return None if e is None else _entry(e)
+
+    async def stop(self) -> None:
+        try:
+            with mapped(self._what, self._denials):
+                await self._w.stop()
+        except BusError as e:  # the watch is left either way; its consumer expires on the server
+            log.debug("stopping a watch: %s", e)
+
+
+class Bucket:
+    def __init__(self, kv: KeyValue, name: str, denials: Denials) -> None:
+        self._kv = kv
+        self.name = name
+        self._denials = denials
+
+    def _doing(self, what: str, key: str | None = None) -> contextlib.AbstractContextManager[None]:
+        return mapped(f"{what} {self.name}" + (f"/{key}" if key else ""), self._denials)
+
+    async def create(self, key: str, value: bytes) -> int:
+        """Store `value` under a key that must not exist yet (KeyTaken if it does): its revision."""
+        with self._doing("create", key):
+            return int(await self._kv.create(key, value))
+
+    async def put(self, key: str, value: bytes) -> int:
+        with self._doing("put", key):
+            return int(await self._kv.put(key, value))
+
+    async def get(self, key: str) -> KvEntry | None:
+        """The entry, or None where the key does not exist or was deleted."""
+        try:
+            with self._doing("get", key):
+                return _entry(await self._kv.get(key))
+        except BusNotFound:
+            return None
+
+    async def delete(self, key: str, last: int = 0) -> None:
+        """Delete `key`; with `last`, only if its revision is still that one (KeyTaken otherwise)."""
+        with self._doing("delete", key):
+            await self._kv.delete(key, last=last or None)
+
+    async def keys(self) -> list[str]:
+        """The keys that exist now ([] for an empty bucket)."""
+        try:
+            with self._doing("list"):
+                return list(await self._kv.keys())
+        except BusNotFound as e:
+            if isinstance(e.__cause__, NoKeysError):
+                return []
+            raise
+
+    async def watch(self) -> Watch:
+        with self._doing("watch"):
+            return Watch(await self._kv.watchall(), self.name, self._denials)
+
+    async def heartbeat(self, key: str, payload: Callable[[], bytes], period: float) -> None:
+        """Put `payload()` under `key` every `period` seconds until cancelled (a failed put is
+        logged and tried again next period; the bucket's TTL ends a process that stops)."""
+
+        async def beat() -> None:
+            await self.put(key, payload())
+
+        await every(period, beat, f"heartbeat {self.name}/{key}")
+
+    async def delete_if_there(self, key: str, timeout: float = 2.0) -> None:
+        """On a clean exit: remove a heartbeat or record, within `timeout`. Failing is logged,
+        not raised: the bucket's TTL (or a later owner) removes it instead."""
+        try:
+            await asyncio.wait_for(self.delete(key), timeout)
+        except (BusError, TimeoutError) as e:
+            log.warning("could not delete %s/%s (%s); it expires by itself", self.name, key, e or "timeout")
+
+    async def release(self, key: str, owner: bytes, revision: int = 0) -> None:
+        """Free a key that `owner` holds (a live call's request_id), only if it still does: a
+        new call may hold it now. With the revision that reserved it, that is one round trip:
+        the delete is refused where the key has changed since. A failure is logged; the
+        conductor frees the request_ids of a frontend that is gone."""
+        try:
+            if not revision:
+                entry = await self.get(key)
+                if entry is None or entry.value != owner:
+                    return
+                revision = entry.revision
+            await self.delete(key, last=revision)
+        except BusError as e:
+            if e.status != 409:  # 409: it changed hands since, which is no failure
+                log.warning("freeing %s/%s failed: %s", self.name, key, e)
