@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import numpy as np
 import pytest
@@ -311,6 +312,19 @@ def _short(m: dict[str, Any]) -> dict[str, Any]:
     if "output" in m and isinstance(m["output"], dict) and "audio" in m["output"]:
         return {**m, "output": {**m["output"], "audio": "..."}}
     return m
+
+
+async def post_one_shot(http_url: str, samples: np.ndarray, timeout: float = 300.0) -> list[dict[str, Any]]:
+    """`POST /generate` of `samples` as one raw PCM file: the NDJSON lines of the answer."""
+    body = json.dumps({"files": [{"name": "a.pcm", "data": pcm(samples)}]})
+    lines = []
+    async with httpx.AsyncClient(base_url=http_url, timeout=timeout) as client:
+        async with client.stream("POST", "/generate", content=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(json.loads(line))
+    return lines
 
 
 def padded(samples: np.ndarray) -> bytes:

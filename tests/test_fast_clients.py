@@ -12,15 +12,13 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
 from clients.call import stream_call
 from models.echo import FRAME
 from shared.bus import subjects
-from shared.sdk.audio import b64_pcm16
-from tests.helpers import Stack, bus_client, echo_bytes, padded, running_stack
+from tests.helpers import Stack, bus_client, echo_bytes, padded, post_one_shot, running_stack
 
 RATE = 16_000
 
@@ -92,15 +90,8 @@ async def pauses(stack: Stack) -> int:
 async def test_one_shot_post_of_six_minutes_completes_byte_exact(stack: Stack) -> None:
     """Before, 400 stream_buffer: the worker held the call's input until it overflowed."""
     x = recording(6 * 60, seed=1)
-    body = json.dumps({"files": [{"name": "a.pcm", "data": b64_pcm16(x)}]})
     before = await pauses(stack)
-    lines = []
-    async with httpx.AsyncClient(base_url=stack.http_url(), timeout=300) as client:
-        async with client.stream("POST", "/generate", content=body) as r:
-            assert r.status_code == 200, await r.aread()
-            async for line in r.aiter_lines():
-                if line:
-                    lines.append(json.loads(line))
+    lines = await post_one_shot(stack.http_url(), x)
     assert "finish" in lines[-1], lines[-1]
     assert lines[-1]["finish"]["usage"]["frames"] == len(lines) - 1 == len(x) // FRAME
     assert echo_bytes([m["output"] for m in lines[:-1]]) == padded(x)

@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import websockets
@@ -31,8 +30,8 @@ from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from shared.bus import subjects
 from shared.runtime.stats import percentile
-from shared.sdk.audio import b64_pcm16, pcm16_from_b64
-from tests.helpers import Stack, bus_client, pcm, running_stack
+from shared.sdk.audio import pcm16_from_b64
+from tests.helpers import Stack, bus_client, pcm, post_one_shot, running_stack
 
 SENTENCES = SAMPLE_SENTENCES
 
@@ -284,15 +283,8 @@ def assert_complete(final: dict[str, Any], outs: list[dict[str, Any]], turns: in
 async def test_a_six_minute_one_shot_post_completes(stack: Stack, speech: dict[str, np.ndarray]) -> None:
     """Before, the worker's stream buffer overflowed (400 stream_buffer) in under a second."""
     audio, turns = long_recording(speech, 6 * 60)
-    body = json.dumps({"files": [{"name": "a.pcm", "data": b64_pcm16(audio)}]})
     t0 = time.monotonic()
-    lines = []
-    async with httpx.AsyncClient(base_url=stack.http_url(), timeout=300) as client:
-        async with client.stream("POST", "/generate", content=body) as r:
-            assert r.status_code == 200, await r.aread()
-            async for line in r.aiter_lines():
-                if line:
-                    lines.append(json.loads(line))
+    lines = await post_one_shot(stack.http_url(), audio)
     print(f"6-minute one-shot: {time.monotonic() - t0:.1f}s, {len(lines) - 1} outputs")
     final = lines[-1]
     assert "finish" in final, final
