@@ -1,10 +1,11 @@
-"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats."""
+"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats, health."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -69,7 +70,40 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     setup_logging("worker")
     cfg = _config(args)
-    return _serve(WorkerService(cfg, cfg.model, args.partition or None).run, cfg.shutdown_drain_s + STOP_GRACE_S)
+    return _serve(WorkerService(cfg, cfg.model, worker_partitions(args.partition)).run, cfg.shutdown_drain_s + STOP_GRACE_S)
+
+
+PARTITIONS_ENV = "DUPLEXBUS_PARTITIONS"
+
+
+def worker_partitions(flags: list[str] | None) -> list[str] | None:
+    """--partition, else $DUPLEXBUS_PARTITIONS (comma-separated), else None: every partition.
+    A generic container runs any model's partitions without naming them in its command."""
+    if flags:
+        return flags
+    named = [p.strip() for p in os.environ.get(PARTITIONS_ENV, "").split(",") if p.strip()]
+    return named or None
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when this container's service is healthy, 1 (saying why) when not."""
+    if args.url:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(args.url, timeout=args.timeout) as r:
+                return 0 if r.status == 200 else 1
+        except (OSError, urllib.error.URLError) as e:
+            print(f"unhealthy: {args.url}: {e}", file=sys.stderr)
+            return 1
+    from shared.runtime.healthfile import unhealthy
+
+    why = unhealthy(args.max_age or _config(args).liveness_s)
+    if why:
+        print(f"unhealthy: {why}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
@@ -77,6 +111,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     from services.frontend.app import create_app
     from services.frontend.websocket import FrontendWebSocketProtocol
+    from shared.runtime.process import setup_logging, tune_gc
 
     setup_logging("frontend")
     cfg = _config(args)
@@ -168,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--config", help="serving config YAML (default: $DUPLEXBUS_CONFIG, else every default)")
-        sp.add_argument("--model", help="model to serve (default: the config's `model`)")
+        sp.add_argument("--model", help="model to serve (default: $DUPLEXBUS_MODEL, else the config's `model`)")
 
     up = command("up", "embedded NATS + conductor + workers + frontends, supervised (Ctrl-C stops all)")
     common(up)
@@ -197,8 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     wo = command("worker", "run partitions of the model")
     common(wo)
-    wo.add_argument("--partition", action="append", help="partition to run (repeatable; default: every partition)")
+    wo.add_argument(
+        "--partition",
+        action="append",
+        help=f"partition to run (repeatable; default: ${PARTITIONS_ENV}, comma-separated, else every partition)",
+    )
     wo.set_defaults(fn=cmd_worker)
+
+    he = command("health", "container healthcheck: exit 0 when this container's service works")
+    he.add_argument("--config", help="serving config YAML (or $DUPLEXBUS_CONFIG): its liveness_s is the default --max-age")
+    he.add_argument("--url", help="healthy when this URL answers 200 (a frontend's /healthz)")
+    he.add_argument("--max-age", type=float, help="the service's last beat may be this old, in seconds")
+    he.add_argument("--timeout", type=float, default=3.0, help="for --url, in seconds")
+    he.set_defaults(fn=cmd_health)
 
     na = command("nats", "run the embedded nats-server in the foreground")
     na.add_argument("--store", default=".run/nats", help="JetStream store directory")

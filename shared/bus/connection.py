@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
@@ -268,6 +269,10 @@ class BusConnection:
     @property
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
+
+    async def round_trip(self, timeout: float) -> None:
+        """A PING the server answers within `timeout` (whole seconds, at least 1): it works now."""
+        await self._nc.flush(timeout=max(1, math.ceil(timeout)))
 
     async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """A core publish (the stream stores it all the same, with no round trip)."""

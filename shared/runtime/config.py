@@ -160,8 +160,13 @@ def parse_config(data: dict[str, Any] | None) -> ServingConfig:
         raise ConfigError(_key_of(e), _reason(e)) from None
 
 
+# Keys the environment sets over the config file (a container changes them without a new file).
+ENV_OVERRIDES = {"nats_url": "NATS_URL", "model": "DUPLEXBUS_MODEL"}
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
-    """Config from `path` (or $DUPLEXBUS_CONFIG), then $NATS_URL, then explicit overrides."""
+    """Config from `path` (or $DUPLEXBUS_CONFIG), then the environment (ENV_OVERRIDES), then
+    explicit overrides."""
     path = path or os.environ.get("DUPLEXBUS_CONFIG")
     data: dict[str, Any] = {}
     if path:
@@ -172,7 +177,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("config", f"{path} must hold a mapping")
         data = loaded or {}
-    if os.environ.get("NATS_URL"):
-        data["nats_url"] = os.environ["NATS_URL"]
+    for key, env in ENV_OVERRIDES.items():
+        if os.environ.get(env):
+            data[key] = os.environ[env]
     data.update({k: v for k, v in overrides.items() if v is not None})
     return parse_config(data)
