@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.worker.service import WorkerService
 from shared.runtime.config import parse_config
+from shared.runtime.errors import ConfigError
 
 
 def test_worker_capacity_is_the_smallest_partition_bound() -> None:
@@ -16,8 +17,8 @@ def test_worker_capacity_is_the_smallest_partition_bound() -> None:
 def test_unknown_partition_is_refused_at_start() -> None:
     try:
         WorkerService(parse_config({}), "echo", ["Nope"])
-    except ValueError as e:
-        assert "Nope" in str(e) and "Encoder" in str(e)
+    except ConfigError as e:  # `duplexbus worker --partition Nope`: a config error naming the key, exit 2
+        assert "Nope" in str(e) and "Encoder" in str(e) and e.message.startswith("partition:")
     else:
         raise AssertionError("an unknown partition was accepted")
 
