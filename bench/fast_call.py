@@ -44,7 +44,7 @@ def rss_mb(pid: int) -> float:
 def recording(model: str, seconds: float, every_s: float) -> np.ndarray:
     if model == "echo":
         return np.random.default_rng(7).integers(-32768, 32767, int(seconds * RATE), dtype=np.int64).astype("<i2")
-    from bench.clips import piper_clips
+    from models.voice_assistant.clips import piper_clips
     from models.voice_assistant.audio import silence
     from models.voice_assistant.text import SAMPLE_SENTENCES
 
