@@ -85,6 +85,7 @@ class _Call:
     last_step: int = -1  # step number this call was last served (fairness: least recent first)
     last_time: float = -math.inf  # when it was last served (paces steps without input)
     in_flight: bool = False  # part of the batch being stepped now
+    held: int = 0  # bytes its stream buffers hold (the sum of their held_bytes)
 
     def move(self, to: CallState) -> None:
         self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
@@ -161,12 +162,12 @@ class Engine:
 
     def _release(self, call: _Call) -> None:
         """The call's buffers go with it."""
-        self.held_bytes -= sum(b.held_bytes for b in call.buffers.values())
+        self.held_bytes -= call.held
 
     def held(self, cid: str) -> int:
         """Bytes the call's stream buffers hold here (0 for a call not here)."""
         call = self._calls.get(cid)
-        return 0 if call is None else sum(b.held_bytes for b in call.buffers.values())
+        return 0 if call is None else call.held
 
     def wants_item(self, cid: str, edge: str, seq: int) -> bool:
         """A push of it would be held: the call is here, running, and has not had that item."""
@@ -191,6 +192,7 @@ class Engine:
             buf.push(seq, item)
         except (ProtocolError, LimitExceeded) as e:
             return self._fail(call, e)
+        call.held += buf.held_bytes - before
         self.held_bytes += buf.held_bytes - before
         self._dirty[cid] = None
         return []
@@ -291,6 +293,7 @@ class Engine:
                 chunk = buf.pop_chunk()
                 if chunk is not None:
                     chunks[edge] = chunk
+                    call.held -= before - buf.held_bytes
                     self.held_bytes -= before - buf.held_bytes
             call.in_flight = True
             call.last_step = self._step_no

@@ -103,6 +103,7 @@ class WorkerService:
                 eng.Engine(p, topo, part, max_batch=config.max_batch, tick_s=TICK_S),
                 blocking=getattr(part, "blocking", True),
             )
+        self._engines = tuple(r.engine for r in self.runners.values())
         # which partition consumes each edge this worker reads
         self.consumer_of = {c.edge_name: c.to_partition for c in topo.connections if c.to_partition in self.partitions}
         self.producer_of = {c.edge_name: c.from_partition for c in topo.connections}
@@ -285,11 +286,11 @@ class WorkerService:
         self._start_read(read)
 
     def _held(self, cid: str) -> tuple[int, int]:
-        """(bytes of input the call holds here, bytes all calls hold)."""
+        """(bytes of input the call holds here, bytes all calls hold). On every live item."""
         call_held = worker_held = 0
-        for r in self.runners.values():
-            call_held += r.engine.held(cid)
-            worker_held += r.engine.held_bytes
+        for e in self._engines:
+            call_held += e.held(cid)
+            worker_held += e.held_bytes
         return call_held, worker_held
 
     def _may_take(self, cid: str, live: bool) -> bool:
@@ -457,8 +458,8 @@ class WorkerService:
             return [], ""
         r = self.runners[self.consumer_of[s.edge]]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
-            if r.engine.wants_item(s.cid, s.edge, msg.seq) and not self._may_take(s.cid, live):
-                return None
+            if not self._may_take(s.cid, live) and r.engine.wants_item(s.cid, s.edge, msg.seq):
+                return None  # (a repeat is let through: it holds nothing)
             if live:
                 self.reads.live_input(s.cid, time.monotonic())
                 if isinstance(msg, wire.InputItem) and msg.sent_ns:
@@ -544,7 +545,7 @@ class WorkerService:
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
                 await self.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
-                    if r.engine.wants_item(a.cid, a.edge, a.seq) and not self._may_take(a.cid, live=True):
+                    if not self._may_take(a.cid, live=True) and r.engine.wants_item(a.cid, a.edge, a.seq):
                         self._pause(a.cid)  # the consumer reads it from the stream, as the call's other input
                         continue
                     r.wake.set()

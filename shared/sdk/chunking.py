@@ -166,7 +166,8 @@ class StreamBuffer:
         if n == 0 and not (self.complete and not self._ready):
             return None
         items = [self._ready.popleft() for _ in range(n)]
-        self.held_bytes -= sum(item_bytes(i) for i in items)
+        for i in items:
+            self.held_bytes -= ITEM_OVERHEAD if i.data is None else ITEM_OVERHEAD + i.data.nbytes
         chunk = Chunk(items=items, first_seq=self._next_release)
         self._next_release += n
         if self.complete and not self._ready:
