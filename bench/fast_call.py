@@ -44,8 +44,8 @@ def rss_mb(pid: int) -> float:
 def recording(model: str, seconds: float, every_s: float) -> np.ndarray:
     if model == "echo":
         return np.random.default_rng(7).integers(-32768, 32767, int(seconds * RATE), dtype=np.int64).astype("<i2")
-    from models.voice_assistant.clips import piper_clips
     from models.voice_assistant.audio import silence
+    from models.voice_assistant.clips import piper_clips
     from models.voice_assistant.text import SAMPLE_SENTENCES
 
     clips = piper_clips(SAMPLE_SENTENCES, RATE)
