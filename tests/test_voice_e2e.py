@@ -300,3 +300,15 @@ async def test_a_ten_minute_call_sent_fast_completes(stack: Stack, speech: dict[
     final = result["final"]
     assert final is not None and "finish" in final and not result["append_errors"], final
     assert_complete(final, result["outputs"], turns, await stored_outputs(stack, final["finish"]["call_id"]))
+
+
+async def test_twenty_calls_sent_fast_at_once_complete(stack: Stack, speech: dict[str, np.ndarray]) -> None:
+    """20 calls of 30 s (not 10 minutes: the suite's time), one turn each, all sent at once."""
+    audio, turns = long_recording(speech, 30)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(stream_call(stack.ws_url(), audio, SAMPLE_RATE, fast=True) for _ in range(20)))
+    print(f"20 calls of 30 s sent --fast at once: {time.monotonic() - t0:.1f}s")
+    for result in results:
+        final = result["final"]
+        assert final is not None and "finish" in final and not result["append_errors"], final
+        assert_complete(final, result["outputs"], turns, await stored_outputs(stack, final["finish"]["call_id"]))
