@@ -183,7 +183,7 @@ def test_replay_finds_the_embedded_server_after_up_and_fails_fast_without_one(up
         [*PY, "replay", "nosuchcall", "--run-dir", str(up.run_dir)], env=_env(), capture_output=True, text=True, timeout=60
     )
     # It reached the bus with the saved URL: the answer is about the call, not about NATS.
-    assert "no messages for call nosuchcall" in listing.stdout, listing
+    assert "no call with cid or request_id 'nosuchcall'" in listing.stdout, listing
     start = time.monotonic()
     down = subprocess.run(
         [*PY, "replay", "x", "--nats-url", "nats://127.0.0.1:1"], env=_env(), capture_output=True, text=True, timeout=60
