@@ -1,5 +1,5 @@
 """Flow control from the stream, pure: the bounds (services/worker/flow.py), when a paused
-call is read and resumed (services/worker/repair.py), and what the engine holds."""
+partition of a call is read and resumed (services/worker/repair.py), and what the engine holds."""
 
 from __future__ import annotations
 
@@ -41,45 +41,46 @@ def test_room_comes_back_at_half_the_call_bound_or_when_nothing_is_left_to_step(
         Bounds(call_bytes=0)
 
 
-# -- pause and resume ---------------------------------------------------------------------
-def test_a_paused_call_is_read_on_from_where_reads_reached_and_resumes_at_the_end() -> None:
+# -- pause and resume (one partition of one call: the unit of repair.InputReads) --------------
+def test_a_paused_partition_is_read_on_from_where_reads_reached_and_resumes_at_the_end() -> None:
     reads = InputReads()
-    placed = reads.subscribed("c", ["in"], now=0.0)
-    assert placed is not None
-    reads.read_progress("c", placed.read_id, 10)
-    assert reads.at_end("c", placed.read_id) is Next.DONE  # live all along: live input covers the rest
-    reads.read_ended("c", placed.read_id)
-    newly, read = reads.pause("c")
-    assert newly and reads.paused("c")
+    placed = reads.subscribed("c", "P", ["in"], now=0.0)
+    assert placed is not None and reads.subscribed("c", "Q", ["mid"], now=0.0) is not None
+    reads.read_progress("c", "P", placed.read_id, 10)
+    assert reads.at_end("c", "P", placed.read_id) is Next.DONE  # live all along: live input covers the rest
+    reads.read_ended("c", "P", placed.read_id)
+    newly, read = reads.pause("c", "P")
+    assert newly and reads.paused("c", "P") and not reads.paused("c", "Q")  # the call's other partition goes on
     assert read is not None and (read.why, read.from_start, read.after) == (Why.PAUSED, False, 10)
-    assert reads.pause("c") == (False, None)  # already paused
-    reads.read_progress("c", read.read_id, 50)
-    assert reads.at_end("c", read.read_id) is Next.RESUME  # still paused: take live input again, behind a barrier
-    reads.resumed("c", now=1.0)
-    assert not reads.paused("c")
-    assert reads.at_end("c", read.read_id) is Next.DONE  # the read behind the barrier found the call live
-    reads.read_ended("c", read.read_id)
-    assert not reads.reading("c") and reads.read_to("c") == 50
+    assert reads.pause("c", "P") == (False, None)  # already paused
+    reads.read_progress("c", "P", read.read_id, 50)
+    assert reads.at_end("c", "P", read.read_id) is Next.RESUME  # still paused: take live input again, behind a barrier
+    reads.resumed("c", "P", now=1.0)
+    assert not reads.paused("c", "P")
+    assert reads.at_end("c", "P", read.read_id) is Next.DONE  # the read behind the barrier found it live
+    reads.read_ended("c", "P", read.read_id)
+    assert not reads.reading("c", "P") and reads.read_to("c", "P") == 50
 
 
-def test_a_call_paused_while_a_read_runs_is_read_on_by_that_read() -> None:
+def test_a_partition_paused_while_a_read_runs_is_read_on_by_that_read() -> None:
     reads = InputReads()
-    placed = reads.subscribed("c", ["in"], now=0.0)
+    placed = reads.subscribed("c", "P", ["in"], now=0.0)
     assert placed is not None
-    assert reads.pause("c") == (True, None)  # the running read reads on past what is dropped from now
-    assert reads.at_end("c", placed.read_id) is Next.RESUME
-    assert reads.tick(100.0, {"c": (("in", 3),)}, ["c"]) == []  # nor do gaps or stalls start another
-    assert reads.tick(200.0, {"c": (("in", 3),)}, ["c"]) == []
+    assert reads.pause("c", "P") == (True, None)  # the running read reads on past what is dropped from now
+    assert reads.at_end("c", "P", placed.read_id) is Next.RESUME
+    unit = ("c", "P")
+    assert reads.tick(100.0, {unit: (("in", 3),)}, [unit]) == []  # nor do gaps or stalls start another
+    assert reads.tick(200.0, {unit: (("in", 3),)}, [unit]) == []
 
 
-def test_a_paused_call_whose_read_failed_is_read_again_when_it_stalls() -> None:
+def test_a_paused_partition_whose_read_failed_is_read_again_when_it_stalls() -> None:
     reads = InputReads(stall_s=2.0)
-    placed = reads.subscribed("c", ["in"], now=0.0)
+    placed = reads.subscribed("c", "P", ["in"], now=0.0)
     assert placed is not None
-    reads.pause("c")
-    reads.read_ended("c", placed.read_id)  # failed (the bus): the call gets no live input while paused
-    (stall,) = reads.tick(2.0, {}, ["c"])
-    assert stall.why is Why.STALL and reads.at_end("c", stall.read_id) is Next.RESUME
+    reads.pause("c", "P")
+    reads.read_ended("c", "P", placed.read_id)  # failed (the bus): it gets no live input while paused
+    (stall,) = reads.tick(2.0, {}, [("c", "P")])
+    assert stall.why is Why.STALL and reads.at_end("c", "P", stall.read_id) is Next.RESUME
 
 
 # -- what the engine holds ------------------------------------------------------------------

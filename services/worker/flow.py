@@ -3,7 +3,7 @@
 Every item of a call's input (client streams, and edges from other partitions) is in the
 stream before any worker sees it, so a worker never has to hold more than it is about to
 step. Each worker takes input at its own pace, in bytes of items held in its stream
-buffers (`chunking.item_bytes`):
+buffers (`chunking.item_bytes`), per partition of a call (a "call" below):
 
 - **Live input** of a call is taken while the call holds less than `call_bytes` and the
   worker less than `worker_bytes`. Past that, the call is paused (`repair.InputReads`):

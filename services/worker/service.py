@@ -26,7 +26,7 @@ import msgspec
 from models.registry import served_model
 from services.worker import engine as eng
 from services.worker.flow import Bounds
-from services.worker.repair import InputReads, Next, StartRead, Why
+from services.worker.repair import Gaps, InputReads, Next, StartRead, Unit, Why
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
 from shared.bus.store_behind import StoreBehind
@@ -48,7 +48,7 @@ class _Assigned:
     partitions: list[str]
     subs: list[BusSubscription] = field(default_factory=list)  # its abort and fin
     inputs: dict[str, BusSubscription] = field(default_factory=dict)  # edge -> live input (none while paused)
-    catchup: asyncio.Task[None] | None = None  # the read InputReads last started
+    catchups: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # partition -> the read InputReads last started
 
 
 class _Signal:
@@ -232,11 +232,15 @@ class WorkerService:
             call.subs.append(await self.bus.subscribe(subjects.abort(a.cid), self._on_end))
             call.subs.append(await self.bus.subscribe(subjects.fin(a.cid), self._on_end))
         call.partitions += mine
-        await self._subscribe_inputs(call)
+        await self._subscribe_inputs(call, mine)
         # No flush (a round trip) here: assignments are handled one at a time, and the catch-up
-        # read's barrier is published on this connection after these subscriptions, so the
-        # server has them in place before it stores the barrier.
-        self._start_read(self.reads.subscribed(a.cid, self._input_edges(call), time.monotonic()))
+        # reads' barrier is published on this connection after these subscriptions, so the
+        # server has them in place before it stores the barrier. One barrier serves them all.
+        now = time.monotonic()
+        reads = [self.reads.subscribed(a.cid, p, self.runners[p].engine.input_edges(), now) for p in mine]
+        barrier = self.tasks.spawn(self._barrier(call)) if any(r is not None and r.from_start for r in reads) else None
+        for read in reads:
+            self._start_read(read, barrier)
         for p in mine:
             self.runners[p].wake.set()
 
@@ -246,11 +250,10 @@ class WorkerService:
         no gap but stalls the call. InputReads says which calls to read again from the stream."""
         while True:
             await asyncio.sleep(self.reads.period_s)
-            missing: dict[str, tuple[tuple[str, int], ...]] = {}
-            for r in self.runners.values():
-                for cid, gaps in r.engine.missing().items():
-                    missing[cid] = missing.get(cid, ()) + gaps
-            awaiting = {c for r in self.runners.values() for c in r.engine.awaiting_input()}
+            missing: dict[Unit, Gaps] = {
+                (cid, p): gaps for p, r in self.runners.items() for cid, gaps in r.engine.missing().items()
+            }
+            awaiting = [(cid, p) for p, r in self.runners.items() for cid in r.engine.awaiting_input()]
             for read in self.reads.tick(time.monotonic(), missing, awaiting):
                 self._start_read(read)
 
@@ -261,57 +264,50 @@ class WorkerService:
         for read in self.reads.reconnected():
             self._start_read(read)
 
-    def _input_edges(self, call: _Assigned) -> list[str]:
-        return [e for p in call.partitions for e in self.runners[p].engine.input_edges()]
-
-    async def _subscribe_inputs(self, call: _Assigned) -> None:
-        """Live input of the call's edges that have no subscription yet."""
-        for e in self._input_edges(call):
+    async def _subscribe_inputs(self, call: _Assigned, partitions: list[str]) -> None:
+        """Live input of the partitions' edges that have no subscription yet."""
+        for e in [e for p in partitions for e in self.runners[p].engine.input_edges()]:
             if e in call.inputs or self.producer_of.get(e) in call.partitions:
                 continue  # subscribed, or produced in this process: handed over directly (_local_consumer)
             call.inputs[e] = await self.bus.subscribe_direct(subjects.consumed(call.cid, e), self._on_data)
 
-    def _pause(self, cid: str) -> None:
-        """No room for the call's input: its live input is left in the stream (unsubscribed,
-        so the worker does not even receive it) and a read takes it at the worker's pace."""
-        newly, read = self.reads.pause(cid)
+    def _pause(self, cid: str, partition: str) -> None:
+        """No room for the partition's input of the call: its live input is left in the stream
+        (unsubscribed, so the worker does not even receive it) and a read takes it at the
+        worker's pace. The call's other partitions here go on as they were."""
+        newly, read = self.reads.pause(cid, partition)
         if not newly:
             return
         self.pauses += 1
         call = self.calls.get(cid)
         if call is not None:
-            subs = list(call.inputs.values())
-            call.inputs.clear()
+            subs = [call.inputs.pop(e) for e in self.runners[partition].engine.input_edges() if e in call.inputs]
             self.tasks.spawn(BusConnection.unsubscribe_all(subs))  # not from inside the subscription's own handler
         self._start_read(read)
 
-    def _held(self, cid: str) -> tuple[int, int]:
-        """(bytes of input the call holds here, bytes all calls hold). On every live item."""
-        call_held = worker_held = 0
+    def _may_take(self, cid: str, engine: eng.Engine, live: bool) -> bool:
+        """Room for one more item of the call's partition (flow.Bounds), live or from a read.
+        On every live item."""
+        worker_held = 0
         for e in self._engines:
-            call_held += e.held(cid)
             worker_held += e.held_bytes
-        return call_held, worker_held
-
-    def _may_take(self, cid: str, live: bool) -> bool:
-        """Room for one more item of the call (flow.Bounds), live or from a read."""
-        call_held, worker_held = self._held(cid)
         if live:
-            return self.bounds.take(call_held, worker_held)
-        return self.bounds.read_take(call_held, worker_held, any(r.engine.has_chunk(cid) for r in self.runners.values()))
+            return self.bounds.take(engine.held(cid), worker_held)
+        return self.bounds.read_take(engine.held(cid), worker_held, engine.has_chunk(cid))
 
-    async def _room(self, cid: str) -> bool:
-        """Wait until a paused call may read on or take live input again (flow.Bounds.has_room);
-        False once the call is gone."""
+    async def _room(self, cid: str, engine: eng.Engine) -> bool:
+        """Wait until a paused partition of the call may read on or take live input again
+        (flow.Bounds.has_room); False once the call is gone."""
         while cid in self.calls:
-            call_held, worker_held = self._held(cid)
-            if self.bounds.has_room(call_held, worker_held, any(r.engine.has_chunk(cid) for r in self.runners.values())):
+            worker_held = sum(e.held_bytes for e in self._engines)
+            if self.bounds.has_room(engine.held(cid), worker_held, engine.has_chunk(cid)):
                 return True
             await self._freed.wait(0.5)
         return False
 
-    def _start_read(self, read: StartRead | None) -> None:
-        """Carry out InputReads' decision: the call's running read (if any) gives way to this one."""
+    def _start_read(self, read: StartRead | None, barrier: asyncio.Task[None] | None = None) -> None:
+        """Carry out InputReads' decision (`barrier`: the placement barrier it shares with the
+        reads of the call's other partitions placed with it)."""
         if read is None:
             return
         call = self.calls.get(read.cid)
@@ -319,56 +315,55 @@ class WorkerService:
             self.reads.forget(read.cid)
             return
         if read.why is Why.GAP:
-            log.warning("call %s: %s, reading them from the stream", read.cid, read.detail)
+            log.warning("call %s, %s: %s, reading them from the stream", read.cid, read.partition, read.detail)
             self.repairs += 1
         elif read.why is Why.STALL:
-            log.info("call %s: %s, reading its input from the stream", read.cid, read.detail)
-        if call.catchup is not None and not call.catchup.done():
-            call.catchup.cancel()  # read again, all of it: repeats are dropped by seq
-        call.catchup = self.tasks.spawn(self._catch_up(call, read))
+            log.info("call %s, %s: %s, reading its input from the stream", read.cid, read.partition, read.detail)
+        running = call.catchups.get(read.partition)
+        if running is not None and not running.done():
+            running.cancel()  # ended as far as InputReads knows (it starts one read at a time)
+        call.catchups[read.partition] = self.tasks.spawn(self._catch_up(call, read, barrier))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         stored = await self.bus.last_stored(subjects.open_(cid))
         return dict(wire.decode_as(stored, wire.Open).model_kwargs)
 
-    async def _catch_up(self, call: _Assigned, r: StartRead) -> None:
+    async def _catch_up(self, call: _Assigned, r: StartRead, barrier: asyncio.Task[None] | None) -> None:
         """Carry out a read InputReads started (from the start behind a barrier, or on from where
         reads reached), at the worker's pace: without room for the next item it stops, the
-        call is paused, and it reads on once there is room. A paused call read to the end
-        takes live input again behind a barrier and is read on (repair.Next.RESUME)."""
-        cid = call.cid
-        barrier = r.from_start
+        partition is paused, and it reads on once there is room. A paused partition read to
+        the end takes live input again behind a barrier and is read on (repair.Next.RESUME)."""
+        cid, engine = call.cid, self.runners[r.partition].engine
         try:
-            while await self._room(cid):
-                if barrier:
-                    await self._barrier(call)
+            if r.from_start:
+                await (asyncio.shield(barrier) if barrier is not None else self._barrier(call))
+            while await self._room(cid, engine):
                 ended = await self._read_on(call, r)
                 if ended is None:
                     return
-                barrier = False
                 if not ended:
-                    self._pause(cid)
+                    self._pause(cid, r.partition)
                     continue
-                if self.reads.at_end(cid, r.read_id) is Next.DONE or not await self._room(cid):
+                if self.reads.at_end(cid, r.partition, r.read_id) is Next.DONE or not await self._room(cid, engine):
                     return
-                await self._subscribe_inputs(call)
-                self.reads.resumed(cid, time.monotonic())
-                barrier = True  # what was left in the stream before the subscriptions is stored before it
+                await self._subscribe_inputs(call, [r.partition])
+                self.reads.resumed(cid, r.partition, time.monotonic())
+                await self._barrier(call)  # what was left in the stream before the subscriptions is stored before it
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("catch-up read for %s failed", cid)
+            log.exception("catch-up read for %s, %s failed", cid, r.partition)
         finally:
-            self.reads.read_ended(cid, r.read_id)
+            self.reads.read_ended(cid, r.partition, r.read_id)
 
     async def _read_on(self, call: _Assigned, r: StartRead) -> bool | None:
-        """Read the call's input subjects from where reads reached: True once read to the end,
-        False where it stopped for want of room, None where the call ended."""
+        """Read the partition's input subjects from where its reads reached: True once read to
+        the end, False where it stopped for want of room, None where the call ended."""
         cid = call.cid
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
         filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
         # aclosing: a read left early ends its consumer now, not when the generator is collected
-        read = self.bus.read_stored(filters, after=self.reads.read_to(cid), batch=READ_BATCH)
+        read = self.bus.read_stored(filters, after=self.reads.read_to(cid, r.partition), batch=READ_BATCH)
         async with contextlib.aclosing(read) as stored:
             async for subject, data, seq in stored:
                 if cid not in self.calls:
@@ -380,7 +375,7 @@ class WorkerService:
                 if took is None:
                     return False
                 await self._carry_out(*took)
-                self.reads.read_progress(cid, r.read_id, seq)
+                self.reads.read_progress(cid, r.partition, r.read_id, seq)
         return True
 
     async def _barrier(self, call: _Assigned) -> None:
@@ -438,8 +433,10 @@ class WorkerService:
         self._carry_out_later(m.subject, self._take(m.subject, await self.bus.body(m), live=True))
 
     def _carry_out_later(self, subject: str, took: tuple[list[eng.Action], str] | None) -> None:
-        if took is None:  # no room for it: the call's input waits in the stream
-            self._pause(subjects.parse(subject).cid)
+        if took is None:  # no room for it: the partition's input waits in the stream
+            s = subjects.parse(subject)
+            assert s.edge is not None
+            self._pause(s.cid, self.consumer_of[s.edge])
         elif took[0]:
             self.tasks.spawn(self._carry_out(*took))
 
@@ -450,24 +447,25 @@ class WorkerService:
             s = subjects.parse(subject)
             if s.edge is None or s.edge not in self.consumer_of:
                 return [], ""
-            if live and self.reads.paused(s.cid):
-                return [], ""  # left in the stream: the call's read takes it
+            partition = self.consumer_of[s.edge]
+            if live and self.reads.paused(s.cid, partition):
+                return [], ""  # left in the stream: the partition's read takes it
             msg = wire.decode(data)
         except (ValueError, DuplexError):
             log.warning("dropping undecodable message on %s", subject)
             return [], ""
-        r = self.runners[self.consumer_of[s.edge]]
+        r = self.runners[partition]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
-            if not self._may_take(s.cid, live) and r.engine.wants_item(s.cid, s.edge, msg.seq):
+            if not self._may_take(s.cid, r.engine, live) and r.engine.wants_item(s.cid, s.edge, msg.seq):
                 return None  # (a repeat is let through: it holds nothing)
             if live:
-                self.reads.live_input(s.cid, time.monotonic())
+                self.reads.live_input(s.cid, partition, time.monotonic())
                 if isinstance(msg, wire.InputItem) and msg.sent_ns:
                     self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
             actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item())
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
             if live:
-                self.reads.live_input(s.cid, time.monotonic())
+                self.reads.live_input(s.cid, partition, time.monotonic())
             actions = r.engine.end(s.cid, s.edge, msg.total)
         else:
             return [], ""
@@ -497,8 +495,9 @@ class WorkerService:
         self.tasks.spawn(self._unsubscribe(call))
 
     async def _unsubscribe(self, call: _Assigned) -> None:
-        if call.catchup is not None and not call.catchup.done() and call.catchup is not asyncio.current_task():
-            call.catchup.cancel()
+        for task in call.catchups.values():
+            if not task.done() and task is not asyncio.current_task():
+                task.cancel()
         subs, call.subs = call.subs + list(call.inputs.values()), []
         call.inputs.clear()
         await BusConnection.unsubscribe_all(subs)
@@ -545,8 +544,8 @@ class WorkerService:
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
                 await self.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
-                    if not self._may_take(a.cid, live=True) and r.engine.wants_item(a.cid, a.edge, a.seq):
-                        self._pause(a.cid)  # the consumer reads it from the stream, as the call's other input
+                    if not self._may_take(a.cid, r.engine, live=True) and r.engine.wants_item(a.cid, a.edge, a.seq):
+                        self._pause(a.cid, r.engine.name)  # its consumer reads it from the stream
                         continue
                     r.wake.set()
                     await self._carry_out(r.engine.push(a.cid, a.edge, a.seq, a.item), r.engine.name)
@@ -574,10 +573,10 @@ class WorkerService:
         """The runner of the edge's consumer partition where it runs the call in this process:
         an edge item (or end) is then handed to it at once instead of through the bus, which
         it also went to (so a replay, or a worker that takes over, reads it from the stream).
-        None while the call is paused: its read takes the item from the stream."""
+        None while that partition of the call is paused: its read takes the item from the stream."""
         consumer = self.consumer_of.get(edge)
         call = self.calls.get(cid)
-        if consumer is None or call is None or consumer not in call.partitions or self.reads.paused(cid):
+        if consumer is None or call is None or consumer not in call.partitions or self.reads.paused(cid, consumer):
             return None
         return self.runners[consumer]
 

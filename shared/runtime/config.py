@@ -52,7 +52,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_slots: int = 512  # calls one worker takes at once
     max_batch: int = 64  # calls in one step
     step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
-    worker_call_buffer_mb: float = 2.0  # input one call may hold in a worker; past it the rest waits in the stream
+    worker_call_buffer_mb: float = 2.0  # input one partition of a call may hold in a worker; past it the rest waits in the stream
     worker_buffer_mb: float = 64.0  # input all of a worker's calls may hold; past it their input waits in the stream
     heartbeat_s: float = 1.0
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
