@@ -253,9 +253,21 @@ class WorkerService:
             missing: dict[Unit, Gaps] = {
                 (cid, p): gaps for p, r in self.runners.items() for cid, gaps in r.engine.missing().items()
             }
-            awaiting = [(cid, p) for p, r in self.runners.items() for cid in r.engine.awaiting_input()]
+            awaiting = [(cid, p) for p, r in self.runners.items() for cid in r.engine.awaiting_input() if self._may_lose(cid, p)]
             for read in self.reads.tick(time.monotonic(), missing, awaiting):
                 self._start_read(read)
+
+    def _may_lose(self, cid: str, partition: str) -> bool:
+        """Whether input of the call's partition can be lost on its way here: it comes over the
+        bus, or the partition is paused. Input that is all produced by the call's partitions in
+        this process is handed over directly, and a stall read of it would only read it again
+        (a partition waiting on another one here that is behind is not stalled)."""
+        call = self.calls.get(cid)
+        if call is None:
+            return False
+        if self.reads.paused(cid, partition):
+            return True
+        return any(self.producer_of.get(e) not in call.partitions for e in self.runners[partition].engine.input_edges())
 
     async def _on_reconnect(self) -> None:
         """While disconnected the core subscriptions missed whatever was published: read every
@@ -544,15 +556,19 @@ class WorkerService:
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
                 await self.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
+                    if self.reads.paused(a.cid, r.engine.name):
+                        continue  # its read takes the item from the stream
                     if not self._may_take(a.cid, r.engine, live=True) and r.engine.wants_item(a.cid, a.edge, a.seq):
-                        self._pause(a.cid, r.engine.name)  # its consumer reads it from the stream
+                        self._pause(a.cid, r.engine.name)  # as for live input: it waits in the stream
                         continue
+                    self.reads.live_input(a.cid, r.engine.name, time.monotonic())
                     r.wake.set()
                     await self._carry_out(r.engine.push(a.cid, a.edge, a.seq, a.item), r.engine.name)
             elif isinstance(a, eng.PublishEdgeEnd):
                 # Stored behind (self.ends): the step loop does not wait for the ack.
                 self.ends.put(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
-                if (r := self._local_consumer(a.cid, a.edge)) is not None:
+                if (r := self._local_consumer(a.cid, a.edge)) is not None:  # paused too: an end holds nothing
+                    self.reads.live_input(a.cid, r.engine.name, time.monotonic())
                     r.wake.set()
                     await self._carry_out(r.engine.end(a.cid, a.edge, a.total), r.engine.name)
             elif isinstance(a, eng.PublishDone):
@@ -572,11 +588,10 @@ class WorkerService:
     def _local_consumer(self, cid: str, edge: str) -> _Runner | None:
         """The runner of the edge's consumer partition where it runs the call in this process:
         an edge item (or end) is then handed to it at once instead of through the bus, which
-        it also went to (so a replay, or a worker that takes over, reads it from the stream).
-        None while that partition of the call is paused: its read takes the item from the stream."""
+        it also went to (so a replay, or a worker that takes over, reads it from the stream)."""
         consumer = self.consumer_of.get(edge)
         call = self.calls.get(cid)
-        if consumer is None or call is None or consumer not in call.partitions or self.reads.paused(cid, consumer):
+        if consumer is None or call is None or consumer not in call.partitions:
             return None
         return self.runners[consumer]
 
