@@ -21,24 +21,16 @@ import argparse
 import asyncio
 import statistics
 import time
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from bench.stack import UpStack, machine
+from bench.machine import machine
 from clients.call import stream_call
+from tests.support.bus import worker_stats
+from tests.support.stack import PeakRSS, UpStack
 
 RATE = 16_000
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def recording(model: str, seconds: float, every_s: float) -> np.ndarray:
@@ -59,31 +51,20 @@ def recording(model: str, seconds: float, every_s: float) -> np.ndarray:
     return np.concatenate([audio, silence(seconds - len(audio) / RATE, RATE)]) if len(audio) < seconds * RATE else audio
 
 
-async def one_call(stack: UpStack, audio: np.ndarray) -> tuple[float, dict, float]:
-    """(seconds to the finish, the result, peak RSS in MB of the worker processes together)."""
+async def one_call(stack: UpStack, audio: np.ndarray) -> tuple[float, dict[str, Any], float]:
+    """(seconds to the finish, the result, peak RSS in MiB of the worker processes, each at its peak)."""
     workers = [pid for pid, role in stack.processes().items() if role.startswith("worker")]
-    peak = 0.0
-
-    async def sample() -> None:
-        nonlocal peak
-        while True:
-            peak = max(peak, sum(rss_mb(p) for p in workers))
-            await asyncio.sleep(0.05)
-
-    sampler = asyncio.create_task(sample())
     t0 = time.monotonic()
-    try:
+    async with PeakRSS(workers) as rss:
         result = await stream_call(stack.ws_url(), audio, RATE, fast=True)
-    finally:
-        sampler.cancel()
-    return time.monotonic() - t0, result, peak
+    return time.monotonic() - t0, result, sum(rss.peak.values())
 
 
-async def run_model(model: str, seconds: float, runs: int, every_s: float) -> dict:
+async def run_model(model: str, seconds: float, runs: int, every_s: float) -> dict[str, Any]:
     audio = recording(model, seconds, every_s)
     times, rss, outputs, pauses = [], [], [], 0
-    with UpStack(model) as stack:
-        idle = sum(rss_mb(p) for p, role in stack.processes().items() if role.startswith("worker"))
+    with await asyncio.to_thread(UpStack, model) as stack:
+        idle = sum(PeakRSS([p for p, role in stack.processes().items() if role.startswith("worker")]).idle.values())
         for i in range(runs):
             elapsed, result, peak = await one_call(stack, audio)
             final = result["final"] or {}
@@ -98,7 +79,7 @@ async def run_model(model: str, seconds: float, runs: int, every_s: float) -> di
             rss.append(peak)
             outputs.append(len(result["outputs"]))
             print(f"{model} run {i + 1}: {elapsed:.1f}s to the finish (RTF {elapsed / seconds:.3f}), {outputs[-1]} outputs")
-        pauses = sum(w.get("pauses", 0) for w in await stack.worker_stats())
+        pauses = sum(w.get("pauses", 0) for w in await worker_stats(stack.nats_url))
     return {
         "model": model,
         "median_s": statistics.median(times),

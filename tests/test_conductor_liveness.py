@@ -14,7 +14,7 @@ from services.conductor import service as conductor_service
 from services.conductor.liveness import Liveness
 from services.worker.service import WorkerService
 from shared.runtime.config import parse_config
-from tests.helpers import own_nats_server
+from tests.support.bus import own_nats_server
 
 
 def test_a_process_is_alive_while_new_revisions_come_by_the_local_clock() -> None:

