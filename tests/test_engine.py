@@ -19,7 +19,7 @@ from services.worker.engine import (
     PublishOutput,
 )
 from shared.runtime.errors import LimitExceeded, ProtocolError
-from shared.sdk.chunking import CatchUpChunkPolicy, FixedChunkPolicy, Item, StreamBuffer
+from shared.sdk.chunking import CatchUpChunkPolicy, FixedChunkPolicy, Item, StreamBuffer, item_bytes
 from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
@@ -74,11 +74,12 @@ def test_empty_stream_yields_one_empty_last_chunk() -> None:
 
 
 def test_buffer_bounds_and_bad_counts() -> None:
-    b = StreamBuffer(FixedChunkPolicy(1), capacity=2)
+    b = StreamBuffer(FixedChunkPolicy(1), max_items=8)  # a stream's declared bound
     b.push(5, item(5))
-    b.push(6, item(6))
-    with pytest.raises(LimitExceeded):
-        b.push(7, item(7))
+    b.push(7, item(7))
+    with pytest.raises(LimitExceeded) as e:
+        b.push(8, item(8))
+    assert e.value.message.startswith("stream_buffer:")
     b2 = StreamBuffer(FixedChunkPolicy(1))
     b2.push(0, item(0))
     b2.push(1, item(1))
@@ -89,6 +90,17 @@ def test_buffer_bounds_and_bad_counts() -> None:
         b2.end(3)  # a different count for the same stream
     with pytest.raises(ProtocolError):
         b2.push(2, item(2))  # past the end
+
+
+def test_buffer_holds_what_it_is_given_and_counts_its_bytes() -> None:
+    """No bound for pace: how much is held is the worker's flow control's to bound."""
+    b = StreamBuffer(FixedChunkPolicy(1))
+    for s in range(10_000):
+        assert b.push(s, item(s))
+    assert b.buffered == 10_000 and b.held_bytes == 10_000 * item_bytes(item(0))
+    assert not b.is_new(9_999) and b.is_new(10_000)
+    b.pop_chunk()
+    assert b.held_bytes == 9_999 * item_bytes(item(0))
 
 
 # -- the engine -------------------------------------------------------------

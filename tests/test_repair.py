@@ -12,6 +12,7 @@ import nats
 import numpy as np
 
 from services.worker.engine import Engine
+from services.worker.repair import InputReads, StartRead, Why
 from services.worker.service import WorkerService
 from shared.bus import subjects, wire
 from shared.runtime.config import parse_config
@@ -49,6 +50,89 @@ def test_engine_lists_calls_waiting_on_a_lost_item() -> None:
     e.push("a", "in", 1, Item())
     e.push("b", "in", 0, Item())
     assert e.missing() == {"a": (("in", 0),)}
+
+
+# -- the repair policy (services/worker/repair.py), pure -------------------------------------
+# Its unit is one partition of one call on the worker: ("c", "P") below.
+def started(r: StartRead | None) -> tuple[str, tuple[str, ...], bool, int, Why]:
+    assert r is not None
+    return r.partition, r.edges, r.from_start, r.after, r.why
+
+
+def test_a_placed_partition_is_read_from_the_start_and_a_running_read_covers_repeats() -> None:
+    reads = InputReads()
+    first = reads.subscribed("c", "P", ["in"], now=0.0)
+    assert started(first) == ("P", ("in",), True, 0, Why.PLACED)
+    assert reads.subscribed("c", "P", ["in"], now=0.1) is None  # a repeated assignment
+    assert reads.reconnected() == []  # the read under way covers a reconnect
+    assert reads.tick(10.0, {("c", "P"): (("in", 3),)}, [("c", "P")]) == []  # and gaps and stalls
+    assert reads.tick(20.0, {("c", "P"): (("in", 3),)}, [("c", "P")]) == []
+
+
+def test_each_partition_of_a_call_is_read_on_its_own() -> None:
+    reads = InputReads()
+    p = reads.subscribed("c", "P", ["in"], now=0.0)
+    assert p is not None
+    reads.read_progress("c", "P", p.read_id, 40)
+    q = reads.subscribed("c", "Q", ["mid"], now=0.1)  # placed here while P's read runs
+    assert started(q) == ("Q", ("mid",), True, 0, Why.PLACED)  # from the start, behind a barrier, beside P's
+    assert q is not None and q.read_id != p.read_id and reads.reading("c", "P")
+    reads.read_progress("c", "Q", p.read_id, 90)  # another read's progress counts for nothing
+    reads.read_progress("c", "Q", q.read_id, 120)
+    reads.read_ended("c", "P", p.read_id)
+    assert not reads.reading("c", "P") and reads.reading("c", "Q")
+    reads.read_ended("c", "Q", q.read_id)
+    again = sorted((started(r) for r in reads.reconnected()), key=lambda r: r[0])
+    assert again == [("P", ("in",), False, 40, Why.RECONNECT), ("Q", ("mid",), False, 120, Why.RECONNECT)]  # on from there
+
+
+def test_a_gap_is_read_when_the_same_items_are_missing_for_a_whole_period() -> None:
+    reads = InputReads()
+    r = reads.subscribed("c", "P", ["in"], now=0.0)
+    assert r is not None
+    reads.read_progress("c", "P", r.read_id, 7)
+    reads.read_ended("c", "P", r.read_id)
+    unit = ("c", "P")
+    assert reads.tick(0.5, {unit: (("in", 5),)}, [unit]) == []  # seen once: may still be on its way
+    assert reads.tick(1.0, {unit: (("in", 6),)}, [unit]) == []  # another gap: the first one was filled
+    (gap,) = reads.tick(1.5, {unit: (("in", 6),)}, [unit])
+    assert started(gap) == ("P", ("in",), False, 7, Why.GAP) and "('in', 6)" in gap.detail
+    assert reads.tick(2.0, {unit: (("in", 6),)}, [unit]) == []  # that read is still under way
+    reads.read_ended("c", "P", gap.read_id)
+    assert [r.why for r in reads.tick(2.5, {unit: (("in", 6),)}, [unit])] == [Why.GAP]
+    other = ("x", "P")  # not a call here
+    assert reads.tick(3.0, {other: (("in", 0),)}, []) == [] and reads.tick(3.5, {other: (("in", 0),)}, []) == []
+
+
+def test_a_stalled_partition_is_read_waiting_twice_as_long_each_time_until_input_comes() -> None:
+    reads = InputReads(stall_s=2.0, stall_max_s=8.0)
+    r = reads.subscribed("c", "P", ["in"], now=0.0)
+    assert r is not None
+    unit = ("c", "P")
+    assert reads.tick(3.0, {}, [unit]) == []  # a read is under way
+    reads.read_ended("c", "P", r.read_id)
+    times = []
+    for t in range(3, 40):
+        for s in reads.tick(float(t), {}, [unit]):
+            assert s.why is Why.STALL
+            times.append(t)
+            reads.read_ended("c", "P", s.read_id)
+    assert times == [3, 7, 15, 23, 31, 39]  # waits of 2, 4, 8, then 8 at most
+    reads.live_input("c", "P", 40.0)  # input again: back to the shortest wait
+    assert reads.tick(41.9, {}, [unit]) == []
+    assert len(reads.tick(42.0, {}, [unit])) == 1
+    assert reads.tick(50.0, {}, []) == []  # input complete: nothing is awaited
+
+
+def test_a_forgotten_call_is_never_read() -> None:
+    reads = InputReads()
+    r = reads.subscribed("c", "P", ["in"], now=0.0)
+    assert r is not None and reads.subscribed("c", "Q", ["mid"], now=0.0) is not None
+    reads.forget("c")
+    reads.read_ended("c", "P", r.read_id)
+    unit = ("c", "P")
+    assert reads.tick(0.5, {unit: (("in", 1),)}, [unit]) == [] and reads.tick(100.0, {unit: (("in", 1),)}, [unit]) == []
+    assert reads.reconnected() == [] and "c" not in reads
 
 
 @contextlib.asynccontextmanager
@@ -107,9 +191,9 @@ async def run_echo_call(svc: WorkerService, nc: Any, n: int = 20) -> tuple[list[
         timeout=5,
     )
     assert wire.decode_as(reply.data, wire.AssignReply).ok
-    for _ in range(100):  # its placement read is over: what is lost from here on is the repair's
-        task = svc.calls[cid].catchup
-        if task is not None and task.done():
+    for _ in range(100):  # its placement reads are over: what is lost from here on is the repair's
+        tasks = svc.calls[cid].catchups.values()
+        if len(tasks) == 2 and all(t.done() for t in tasks):
             break
         await asyncio.sleep(0.02)
     for seq in range(n):

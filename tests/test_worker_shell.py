@@ -22,44 +22,25 @@ def test_unknown_partition_is_refused_at_start() -> None:
     assert e.value.key == "partition" and "'Nope'" in e.value.message and "Encoder, Talker" in e.value.message
 
 
-async def test_a_partition_added_during_a_catch_up_read_gets_its_input_read_too() -> None:
-    import asyncio
-
-    from services.worker.service import _Assigned
-
-    w = WorkerService(parse_config({}), "echo")
-    reads: list[list[str]] = []
-    starts: list[bool] = []
-    gate = asyncio.Event()
-
-    async def catch_up(call: _Assigned, edges: list[str], placed: bool) -> None:
-        reads.append(edges)
-        starts.append(placed)
-        await gate.wait()
-
-    w._catch_up = catch_up  # type: ignore[method-assign]
-    call = _Assigned("c", ["Encoder"])
-    w._start_catch_up(call)
-    first = call.catchup
-    await asyncio.sleep(0)
-    w._start_catch_up(call)  # nothing new: the running read covers it
-    assert call.catchup is first
-    call.partitions.append("Talker")  # placed here while the first read still runs
-    w._start_catch_up(call)
-    await asyncio.sleep(0)
-    assert first is not None and first.cancelled()
-    assert reads == [["audio_in"], ["audio_in", "frames"]]
-    assert starts == [True, True]  # new subscriptions both times: from the start, behind a barrier
-    gate.set()
-    await asyncio.sleep(0)
-    call.read_to = 120  # what the read read to
-    w._start_catch_up(call)  # a repair: the same edges
-    await asyncio.sleep(0)
-    assert starts == [True, True, False] and call.read_to == 120  # read on from where the last read ended
-    await w.tasks.close()
-
-
 def test_a_stopping_worker_has_no_free_slots() -> None:
     w = WorkerService(parse_config({"worker_slots": 100}), "echo")
     w._accepting = False  # what run() sets on SIGTERM, before its drain
     assert w.capacity == 0
+
+
+def test_only_input_that_comes_over_the_bus_is_read_again_when_it_stalls() -> None:
+    """Both echo partitions here: the Talker's frames are handed over in the process and
+    cannot be lost on the way, so a Talker waiting on a slow Encoder is not read again from
+    the stream, unless it is paused (then its read is all it gets)."""
+    from services.worker.service import _Assigned
+
+    w = WorkerService(parse_config({}), "echo")
+    w.calls["c"] = _Assigned("c", ["Encoder", "Talker"])
+    for p in ("Encoder", "Talker"):
+        w.reads.subscribed("c", p, w.runners[p].engine.input_edges(), now=0.0)
+    assert w._may_lose("c", "Encoder") and not w._may_lose("c", "Talker")
+    w.reads.pause("c", "Talker")
+    assert w._may_lose("c", "Talker")
+    alone = WorkerService(parse_config({}), "echo", ["Talker"])
+    alone.calls["c"] = _Assigned("c", ["Talker"])
+    assert alone._may_lose("c", "Talker")  # its frames come from another worker

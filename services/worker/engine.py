@@ -85,6 +85,7 @@ class _Call:
     last_step: int = -1  # step number this call was last served (fairness: least recent first)
     last_time: float = -math.inf  # when it was last served (paces steps without input)
     in_flight: bool = False  # part of the batch being stepped now
+    held: int = 0  # bytes its stream buffers hold (the sum of their held_bytes)
 
     def move(self, to: CallState) -> None:
         self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
@@ -110,7 +111,6 @@ class Engine:
         topology: PartitionTopology,
         partition: Partition,
         max_batch: int = 64,
-        buffer_capacity: int = 4096,
         tick_s: float = 0.0,
     ) -> None:
         self.name = partition_name
@@ -122,7 +122,6 @@ class Engine:
         # paced or draining calls: skip the scans for them, which are O(calls) per step.
         self._paced = type(partition).wants_step is not Partition.wants_step
         self.max_batch = max_batch
-        self.buffer_capacity = buffer_capacity
         self.inputs = topology.inputs_of(partition_name)
         self.outputs = [c.edge_name for c in topology.outputs_of(partition_name)]
         self._calls: dict[str, _Call] = {}
@@ -130,6 +129,7 @@ class Engine:
         self._drop_after_step: set[str] = set()  # failed while in a step: partition state dropped after it
         self._next_idle_scan = -math.inf
         self._step_no = 0
+        self.held_bytes = 0  # what every call's stream buffers hold (see StreamBuffer.held_bytes)
         self.stats = EngineStats()
 
     # -- calls -------------------------------------------------------------
@@ -145,7 +145,11 @@ class Engine:
     def add_call(self, cid: str, model_kwargs: dict[str, Any] | None = None) -> None:
         if cid in self._calls:
             return  # a repeated assignment (conductor retry) is harmless
-        buffers = {c.edge_name: StreamBuffer(c.chunk_policy_factory(), self.buffer_capacity) for c in self.inputs}
+        # A client stream's declared max_items bounds its seqs; how much is held at once is
+        # the worker's flow control's to bound (it stops taking input, which waits in the stream).
+        buffers = {
+            c.edge_name: StreamBuffer(c.chunk_policy_factory(), c.limits.max_items if c.limits else None) for c in self.inputs
+        }
         self.partition.open_call(CallInfo(cid, dict(model_kwargs or {})))
         self._calls[cid] = _Call(cid, buffers, dict.fromkeys(self.outputs, 0))
 
@@ -153,7 +157,28 @@ class Engine:
         """Aborted or failed elsewhere: forget it without a done."""
         call = self._calls.pop(cid, None)
         if call is not None:
+            self._release(call)
             self.partition.drop_call(cid)
+
+    def _release(self, call: _Call) -> None:
+        """The call's buffers go with it."""
+        self.held_bytes -= call.held
+
+    def held(self, cid: str) -> int:
+        """Bytes the call's stream buffers hold here (0 for a call not here)."""
+        call = self._calls.get(cid)
+        return 0 if call is None else call.held
+
+    def wants_item(self, cid: str, edge: str, seq: int) -> bool:
+        """A push of it would be held: the call is here, running, and has not had that item."""
+        call = self._calls.get(cid)
+        buf = None if call is None or call.state in (CallState.FINISHED, CallState.FAILED) else call.buffers.get(edge)
+        return buf is not None and buf.is_new(seq)
+
+    def has_chunk(self, cid: str) -> bool:
+        """The call holds a chunk to step (its buffers would be drained by steps, not only by input)."""
+        call = self._calls.get(cid)
+        return call is not None and any(b.has_chunk() for b in call.buffers.values())
 
     def push(self, cid: str, edge: str, seq: int, item: Item) -> list[Action]:
         call = self._calls.get(cid)
@@ -162,10 +187,13 @@ class Engine:
         buf = call.buffers.get(edge)
         if buf is None:
             return self._fail(call, ProtocolError(f"partition {self.name} has no input edge {edge!r}"))
+        before = buf.held_bytes
         try:
             buf.push(seq, item)
         except (ProtocolError, LimitExceeded) as e:
             return self._fail(call, e)
+        call.held += buf.held_bytes - before
+        self.held_bytes += buf.held_bytes - before
         self._dirty[cid] = None
         return []
 
@@ -203,6 +231,7 @@ class Engine:
     def _fail(self, call: _Call, error: DuplexError) -> list[Action]:
         call.move(CallState.FAILED)
         del self._calls[call.cid]
+        self._release(call)
         if call.in_flight:  # its step may be running in a thread now: drop its state after it
             self._drop_after_step.add(call.cid)
         else:
@@ -260,9 +289,12 @@ class Engine:
         for call in ready[: self.max_batch]:
             chunks: dict[str, Chunk] = {}
             for edge, buf in call.buffers.items():
+                before = buf.held_bytes
                 chunk = buf.pop_chunk()
                 if chunk is not None:
                     chunks[edge] = chunk
+                    call.held -= before - buf.held_bytes
+                    self.held_bytes -= before - buf.held_bytes
             call.in_flight = True
             call.last_step = self._step_no
             call.last_time = now if math.isfinite(now) else -math.inf
@@ -317,6 +349,7 @@ class Engine:
     def _finish(self, call: _Call) -> list[Action]:
         call.move(CallState.FINISHED)
         del self._calls[call.cid]
+        self._release(call)
         usage = self.partition.close_call(call.cid)
         actions: list[Action] = [PublishEdgeEnd(call.cid, e, n) for e, n in call.out_edges.items()]
         actions.append(PublishDone(call.cid, call.outputs, usage))

@@ -5,6 +5,9 @@ subscribes (core NATS) to the call's input subjects of those partitions, then
 reads whatever the stream already holds for them (input that arrived before
 placement, I-2; or everything, when it replaces a lost worker). Items are
 numbered, so the overlap of the two is deduplicated by the stream buffers.
+When to read the stream, and from where, is `repair.InputReads`' to decide, and how
+much input a call and the worker may hold, `flow.Bounds`' (both pure); this shell
+carries the reads out and steps the engines.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import msgspec
 
 from models.registry import served_model
 from services.worker import engine as eng
+from services.worker.flow import Bounds
+from services.worker.repair import Gaps, InputReads, Next, StartRead, Unit, Why
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
 from shared.bus.readiness import Readiness
@@ -38,21 +43,38 @@ from shared.sdk.model import StepInput
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often a partition that wants steps without input (paced audio) is stepped
-REPAIR_PERIOD_S = 0.5  # how long an item may be missing before it is read from the stream
-STALL_S = 2.0  # no input at all this long, streams not complete: read the stream (a lost end leaves no gap)
-STALL_MAX_S = 16.0  # the wait doubles while such reads bring nothing, up to this
+READ_BATCH = 64  # messages a read fetches at once: what one that stops for want of room has fetched in vain
 
 
 @dataclass
 class _Assigned:
     cid: str
     partitions: list[str]
-    subs: list[BusSubscription] = field(default_factory=list)
-    catchup: asyncio.Task[None] | None = None
-    catchup_edges: frozenset[str] = frozenset()  # what the running catch-up read covers
-    read_to: int = 0  # the stream sequence catch-up reads of those edges have read to
-    last_input: float = field(default_factory=time.monotonic)  # live input, or a stall read, last
-    stall_s: float = STALL_S
+    subs: list[BusSubscription] = field(default_factory=list)  # its abort and fin
+    inputs: dict[str, BusSubscription] = field(default_factory=dict)  # edge -> live input (none while paused)
+    catchups: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # partition -> the read InputReads last started
+
+
+class _Signal:
+    """Wakes every task waiting on it at the next fire() (steps free room for reads)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._waiting = 0
+
+    async def wait(self, timeout: float) -> None:
+        event = self._event
+        self._waiting += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout)
+        finally:
+            self._waiting -= 1
+
+    def fire(self) -> None:
+        if self._waiting:
+            self._event.set()
+            self._event = asyncio.Event()
 
 
 class _Runner:
@@ -94,6 +116,7 @@ class WorkerService:
                 eng.Engine(p, topo, part, max_batch=config.max_batch, tick_s=TICK_S),
                 blocking=getattr(part, "blocking", True),
             )
+        self._engines = tuple(r.engine for r in self.runners.values())
         # which partition consumes each edge this worker reads
         self.consumer_of = {c.edge_name: c.to_partition for c in topo.connections if c.to_partition in self.partitions}
         self.producer_of = {c.edge_name: c.from_partition for c in topo.connections}
@@ -101,7 +124,11 @@ class WorkerService:
         self._bus: BusConnection | None = None
         self._accepting = True
         self.tasks = TaskSet()
+        self.reads = InputReads()  # when a call's input is read from the stream (repair policy)
+        self.bounds = Bounds(config.worker_call_buffer_bytes, config.worker_buffer_bytes)  # flow control
+        self._freed = _Signal()  # a step or a dropped call freed held input
         self.repairs = 0  # catch-up reads started for items lost in transit
+        self.pauses = 0  # calls whose live input was left in the stream for want of room
         self.ends = StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
@@ -231,102 +258,163 @@ class WorkerService:
             call.subs.append(await self.bus.subscribe(subjects.abort(a.cid), self._on_end))
             call.subs.append(await self.bus.subscribe(subjects.fin(a.cid), self._on_end))
         call.partitions += mine
-        for e in [e for p in mine for e in self.runners[p].engine.input_edges()]:
-            if self.producer_of.get(e) in call.partitions:
-                continue  # produced in this process: handed over directly (_local_consumer)
-            call.subs.append(await self.bus.subscribe_direct(subjects.consumed(a.cid, e), self._on_data))
+        await self._subscribe_inputs(call, mine)
         # No flush (a round trip) here: assignments are handled one at a time, and the catch-up
-        # read's barrier is published on this connection after these subscriptions, so the
-        # server has them in place before it stores the barrier.
-        self._start_catch_up(call)
+        # reads' barrier is published on this connection after these subscriptions, so the
+        # server has them in place before it stores the barrier. One barrier serves them all.
+        now = time.monotonic()
+        reads = [self.reads.subscribed(a.cid, p, self.runners[p].engine.input_edges(), now) for p in mine]
+        barrier = self.tasks.spawn(self._barrier(call)) if any(r is not None and r.from_start for r in reads) else None
+        for read in reads:
+            self._start_read(read, barrier)
         for p in mine:
             self.runners[p].wake.set()
 
     async def _repair_gaps(self) -> None:
         """An item can go missing in transit (published while a subscription was being set up,
-        or during a reconnect), and a stream buffer then waits on it forever. Every item is in
-        the stream: where the same item has been missing for a whole period, read the call's
-        input again from the stream (duplicates are dropped by seq)."""
-        seen: dict[str, tuple[tuple[str, int], ...]] = {}
+        or during a reconnect), and a stream buffer then waits on it forever; a lost end leaves
+        no gap but stalls the call. InputReads says which calls to read again from the stream."""
         while True:
-            await asyncio.sleep(REPAIR_PERIOD_S)
-            now: dict[str, tuple[tuple[str, int], ...]] = {}
-            for r in self.runners.values():
-                for cid, gaps in r.engine.missing().items():
-                    now[cid] = now.get(cid, ()) + gaps
-            for cid, gaps in now.items():
-                call = self.calls.get(cid)
-                if call is None or seen.get(cid) != gaps:
-                    continue
-                log.warning("call %s: items %s missing for %.1fs, reading them from the stream", cid, gaps, REPAIR_PERIOD_S)
-                self.repairs += 1
-                self._start_catch_up(call)
-            seen = now
-            self._read_stalled()
+            await asyncio.sleep(self.reads.period_s)
+            missing: dict[Unit, Gaps] = {
+                (cid, p): gaps for p, r in self.runners.items() for cid, gaps in r.engine.missing().items()
+            }
+            awaiting = [(cid, p) for p, r in self.runners.items() for cid in r.engine.awaiting_input() if self._may_lose(cid, p)]
+            for read in self.reads.tick(time.monotonic(), missing, awaiting):
+                self._start_read(read)
 
-    def _read_stalled(self) -> None:
-        """A lost item with nothing after it, or a lost end of stream, leaves no gap to see:
-        where a call's input is incomplete and nothing has come for a while, read the stream
-        (waiting twice as long each time such a read brings nothing new, for idle clients)."""
-        t = time.monotonic()
-        for cid in {c for r in self.runners.values() for c in r.engine.awaiting_input()}:
-            call = self.calls.get(cid)
-            if call is None or t - call.last_input < call.stall_s or (call.catchup and not call.catchup.done()):
-                continue
-            log.info("call %s: no input for %.1fs, reading its input from the stream", cid, t - call.last_input)
-            call.last_input, call.stall_s = t, min(2 * call.stall_s, STALL_MAX_S)
-            self._start_catch_up(call)
+    def _may_lose(self, cid: str, partition: str) -> bool:
+        """Whether input of the call's partition can be lost on its way here: it comes over the
+        bus, or the partition is paused. Input that is all produced by the call's partitions in
+        this process is handed over directly, and a stall read of it would only read it again
+        (a partition waiting on another one here that is behind is not stalled)."""
+        call = self.calls.get(cid)
+        if call is None:
+            return False
+        if self.reads.paused(cid, partition):
+            return True
+        return any(self.producer_of.get(e) not in call.partitions for e in self.runners[partition].engine.input_edges())
 
     async def _on_reconnect(self) -> None:
         """While disconnected the core subscriptions missed whatever was published: read every
         call's input again from the stream (duplicates are dropped by seq)."""
         log.warning("reconnected to NATS: reading %d calls' input from the stream", len(self.calls))
-        for call in list(self.calls.values()):
-            self._start_catch_up(call)
+        for read in self.reads.reconnected():
+            self._start_read(read)
 
-    def _start_catch_up(self, call: _Assigned) -> None:
-        """Read the call's input from the stream, unless a read of all of it is under way (one
-        started before the call gained a partition here does not cover that one's input)."""
-        edges = frozenset(e for p in call.partitions for e in self.runners[p].engine.input_edges())
-        if call.catchup is not None and not call.catchup.done():
-            if edges <= call.catchup_edges:
-                return
-            call.catchup.cancel()  # read again, all of it: repeats are dropped by seq
-        placed = not edges <= call.catchup_edges  # new subscriptions: read from the start, behind a barrier
-        if placed:
-            call.read_to = 0
-        call.catchup_edges = edges
-        call.catchup = self.tasks.spawn(self._catch_up(call, sorted(edges), placed))
+    async def _subscribe_inputs(self, call: _Assigned, partitions: list[str]) -> None:
+        """Live input of the partitions' edges that have no subscription yet."""
+        for e in [e for p in partitions for e in self.runners[p].engine.input_edges()]:
+            if e in call.inputs or self.producer_of.get(e) in call.partitions:
+                continue  # subscribed, or produced in this process: handed over directly (_local_consumer)
+            call.inputs[e] = await self.bus.subscribe_direct(subjects.consumed(call.cid, e), self._on_data)
+
+    def _pause(self, cid: str, partition: str) -> None:
+        """No room for the partition's input of the call: its live input is left in the stream
+        (unsubscribed, so the worker does not even receive it) and a read takes it at the
+        worker's pace. The call's other partitions here go on as they were."""
+        newly, read = self.reads.pause(cid, partition)
+        if not newly:
+            return
+        self.pauses += 1
+        call = self.calls.get(cid)
+        if call is not None:
+            subs = [call.inputs.pop(e) for e in self.runners[partition].engine.input_edges() if e in call.inputs]
+            self.tasks.spawn(BusConnection.unsubscribe_all(subs))  # not from inside the subscription's own handler
+        self._start_read(read)
+
+    def _may_take(self, cid: str, engine: eng.Engine, live: bool) -> bool:
+        """Room for one more item of the call's partition (flow.Bounds), live or from a read.
+        On every live item."""
+        worker_held = 0
+        for e in self._engines:
+            worker_held += e.held_bytes
+        if live:
+            return self.bounds.take(engine.held(cid), worker_held)
+        return self.bounds.read_take(engine.held(cid), worker_held, engine.has_chunk(cid))
+
+    async def _room(self, cid: str, engine: eng.Engine) -> bool:
+        """Wait until a paused partition of the call may read on or take live input again
+        (flow.Bounds.has_room); False once the call is gone."""
+        while cid in self.calls:
+            worker_held = sum(e.held_bytes for e in self._engines)
+            if self.bounds.has_room(engine.held(cid), worker_held, engine.has_chunk(cid)):
+                return True
+            await self._freed.wait(0.5)
+        return False
+
+    def _start_read(self, read: StartRead | None, barrier: asyncio.Task[None] | None = None) -> None:
+        """Carry out InputReads' decision (`barrier`: the placement barrier it shares with the
+        reads of the call's other partitions placed with it)."""
+        if read is None:
+            return
+        call = self.calls.get(read.cid)
+        if call is None:
+            self.reads.forget(read.cid)
+            return
+        if read.why is Why.GAP:
+            log.warning("call %s, %s: %s, reading them from the stream", read.cid, read.partition, read.detail)
+            self.repairs += 1
+        elif read.why is Why.STALL:
+            log.info("call %s, %s: %s, reading its input from the stream", read.cid, read.partition, read.detail)
+        running = call.catchups.get(read.partition)
+        if running is not None and not running.done():
+            running.cancel()  # ended as far as InputReads knows (it starts one read at a time)
+        call.catchups[read.partition] = self.tasks.spawn(self._catch_up(call, read, barrier))
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
         stored = await self.bus.last_stored(subjects.open_(cid))
         return dict(wire.decode_as(stored, wire.Open).model_kwargs)
 
-    async def _catch_up(self, call: _Assigned, edges: list[str], placed: bool) -> None:
-        """Read what the stream holds for the call's input subjects: from the start when it
-        was just placed here, else after what earlier reads read (all of that was handed to
-        the engines, so an item still missing was stored after it)."""
-        cid = call.cid
-        # abort and fin too: a call that ended before we subscribed must not hold a slot forever
-        filters = [subjects.consumed(cid, e) for e in edges] + [subjects.abort(cid), subjects.fin(cid)]
+    async def _catch_up(self, call: _Assigned, r: StartRead, barrier: asyncio.Task[None] | None) -> None:
+        """Carry out a read InputReads started (from the start behind a barrier, or on from where
+        reads reached), at the worker's pace: without room for the next item it stops, the
+        partition is paused, and it reads on once there is room. A paused partition read to
+        the end takes live input again behind a barrier and is read on (repair.Next.RESUME)."""
+        cid, engine = call.cid, self.runners[r.partition].engine
         try:
-            if placed:
-                await self._barrier(call)
-            # aclosing: a read left early ends its consumer now, not when the generator is collected
-            read = self.bus.read_stored(filters, after=call.read_to)
-            async with contextlib.aclosing(read) as stored:
-                async for subject, data, seq in stored:
-                    if cid not in self.calls:
-                        return
-                    if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
-                        await self._forget(cid)
-                        return
-                    await self._handle_data(subject, data, live=False)
-                    call.read_to = seq
+            if r.from_start:
+                await (asyncio.shield(barrier) if barrier is not None else self._barrier(call))
+            while await self._room(cid, engine):
+                ended = await self._read_on(call, r)
+                if ended is None:
+                    return
+                if not ended:
+                    self._pause(cid, r.partition)
+                    continue
+                if self.reads.at_end(cid, r.partition, r.read_id) is Next.DONE or not await self._room(cid, engine):
+                    return
+                await self._subscribe_inputs(call, [r.partition])
+                self.reads.resumed(cid, r.partition, time.monotonic())
+                await self._barrier(call)  # what was left in the stream before the subscriptions is stored before it
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("catch-up read for %s failed", cid)
+            log.exception("catch-up read for %s, %s failed", cid, r.partition)
+        finally:
+            self.reads.read_ended(cid, r.partition, r.read_id)
+
+    async def _read_on(self, call: _Assigned, r: StartRead) -> bool | None:
+        """Read the partition's input subjects from where its reads reached: True once read to
+        the end, False where it stopped for want of room, None where the call ended."""
+        cid = call.cid
+        # abort and fin too: a call that ended before we subscribed must not hold a slot forever
+        filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
+        # aclosing: a read left early ends its consumer now, not when the generator is collected
+        read = self.bus.read_stored(filters, after=self.reads.read_to(cid, r.partition), batch=READ_BATCH)
+        async with contextlib.aclosing(read) as stored:
+            async for subject, data, seq in stored:
+                if cid not in self.calls:
+                    return None
+                if subjects.parse(subject).kind in (subjects.ABORT, subjects.FIN):
+                    await self._forget(cid)
+                    return None
+                took = self._take(subject, data, live=False)
+                if took is None:
+                    return False
+                await self._carry_out(*took)
+                self.reads.read_progress(cid, r.partition, r.read_id, seq)
+        return True
 
     async def _barrier(self, call: _Assigned) -> None:
         """Store a Placed message (see wire.Placed): once it is stored, so is any input published
@@ -357,6 +445,8 @@ class WorkerService:
             "model": self.model_name,
             "load": self.load,
             "repairs": self.repairs,
+            "pauses": self.pauses,
+            "held_bytes": sum(r.engine.held_bytes for r in self.runners.values()),
             "store_retries": self.ends.retries,
             "partitions": parts,
             "data_path_ms": {"n": lat.count, "p50": lat.percentile(50), "p99": lat.percentile(99)},
@@ -374,34 +464,45 @@ class WorkerService:
         if self.bus.is_stored(m):
             self.tasks.spawn(self._handle_stored(m))
             return
-        actions, partition = self._take(m.subject, m.data, live=True)
-        if actions:
-            self.tasks.spawn(self._carry_out(actions, partition))
+        self._carry_out_later(m.subject, self._take(m.subject, m.data, live=True))
 
     async def _handle_stored(self, m: BusMsg) -> None:
-        await self._handle_data(m.subject, await self.bus.body(m), live=True)
+        self._carry_out_later(m.subject, self._take(m.subject, await self.bus.body(m), live=True))
 
-    async def _handle_data(self, subject: str, data: bytes, live: bool) -> None:
-        await self._carry_out(*self._take(subject, data, live))
+    def _carry_out_later(self, subject: str, took: tuple[list[eng.Action], str] | None) -> None:
+        if took is None:  # no room for it: the partition's input waits in the stream
+            s = subjects.parse(subject)
+            assert s.edge is not None
+            self._pause(s.cid, self.consumer_of[s.edge])
+        elif took[0]:
+            self.tasks.spawn(self._carry_out(*took))
 
-    def _take(self, subject: str, data: bytes, live: bool) -> tuple[list[eng.Action], str]:
-        """Hand one item or end of stream to its engine: (actions to carry out, partition)."""
+    def _take(self, subject: str, data: bytes, live: bool) -> tuple[list[eng.Action], str] | None:
+        """Hand one item or end of stream to its engine: (actions to carry out, partition), or
+        None where there is no room for the item (flow.Bounds): it is left in the stream."""
         try:
             s = subjects.parse(subject)
+            if s.edge is None or s.edge not in self.consumer_of:
+                return [], ""
+            partition = self.consumer_of[s.edge]
+            if live and self.reads.paused(s.cid, partition):
+                return [], ""  # left in the stream: the partition's read takes it
             msg = wire.decode(data)
         except (ValueError, DuplexError):
             log.warning("dropping undecodable message on %s", subject)
             return [], ""
-        if s.edge is None or s.edge not in self.consumer_of:
-            return [], ""
-        r = self.runners[self.consumer_of[s.edge]]
-        if live and (call := self.calls.get(s.cid)) is not None:
-            call.last_input, call.stall_s = time.monotonic(), STALL_S
+        r = self.runners[partition]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
-            if live and isinstance(msg, wire.InputItem) and msg.sent_ns:
-                self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
+            if not self._may_take(s.cid, r.engine, live) and r.engine.wants_item(s.cid, s.edge, msg.seq):
+                return None  # (a repeat is let through: it holds nothing)
+            if live:
+                self.reads.live_input(s.cid, partition, time.monotonic())
+                if isinstance(msg, wire.InputItem) and msg.sent_ns:
+                    self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
             actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item())
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
+            if live:
+                self.reads.live_input(s.cid, partition, time.monotonic())
             actions = r.engine.end(s.cid, s.edge, msg.total)
         else:
             return [], ""
@@ -417,10 +518,12 @@ class WorkerService:
         call = self.calls.pop(cid, None)
         if call is None:
             return
+        self.reads.forget(cid)
         for p in call.partitions:
             r = self.runners[p]
             async with r.lock:
                 r.engine.drop_call(cid)
+        self._freed.fire()
         self._unsubscribe_later(call)
 
     def _unsubscribe_later(self, call: _Assigned) -> None:
@@ -429,9 +532,11 @@ class WorkerService:
         self.tasks.spawn(self._unsubscribe(call))
 
     async def _unsubscribe(self, call: _Assigned) -> None:
-        if call.catchup is not None and not call.catchup.done() and call.catchup is not asyncio.current_task():
-            call.catchup.cancel()
-        subs, call.subs = call.subs, []
+        for task in call.catchups.values():
+            if not task.done() and task is not asyncio.current_task():
+                task.cancel()
+        subs, call.subs = call.subs + list(call.inputs.values()), []
+        call.inputs.clear()
         await BusConnection.unsubscribe_all(subs)
 
     # -- stepping ------------------------------------------------------------
@@ -443,6 +548,7 @@ class WorkerService:
                 batch = r.engine.next_batch(now)
                 if batch:
                     actions = await self._run_step(name, r, batch)
+                    self._freed.fire()
             if not batch:
                 r.wake.clear()
                 due = r.engine.next_due(now)
@@ -480,12 +586,19 @@ class WorkerService:
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
                 await self.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (r := self._local_consumer(a.cid, a.edge)) is not None:
+                    if self.reads.paused(a.cid, r.engine.name):
+                        continue  # its read takes the item from the stream
+                    if not self._may_take(a.cid, r.engine, live=True) and r.engine.wants_item(a.cid, a.edge, a.seq):
+                        self._pause(a.cid, r.engine.name)  # as for live input: it waits in the stream
+                        continue
+                    self.reads.live_input(a.cid, r.engine.name, time.monotonic())
                     r.wake.set()
                     await self._carry_out(r.engine.push(a.cid, a.edge, a.seq, a.item), r.engine.name)
             elif isinstance(a, eng.PublishEdgeEnd):
                 # Stored behind (self.ends): the step loop does not wait for the ack.
                 self.ends.put(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
-                if (r := self._local_consumer(a.cid, a.edge)) is not None:
+                if (r := self._local_consumer(a.cid, a.edge)) is not None:  # paused too: an end holds nothing
+                    self.reads.live_input(a.cid, r.engine.name, time.monotonic())
                     r.wake.set()
                     await self._carry_out(r.engine.end(a.cid, a.edge, a.total), r.engine.name)
             elif isinstance(a, eng.PublishDone):
@@ -518,4 +631,5 @@ class WorkerService:
             return
         if all(cid not in self.runners[p].engine for p in call.partitions):
             self.calls.pop(cid, None)
+            self.reads.forget(cid)
             self._unsubscribe_later(call)

@@ -334,17 +334,20 @@ class BusConnection:
             m = await self._js.get_last_msg(subjects.STREAM, subject)
             return await self.payloads.body(m.headers, m.data or b"")
 
-    async def read_stored(self, filters: list[str], after: int = 0) -> AsyncGenerator[tuple[str, bytes, int], None]:
+    async def read_stored(
+        self, filters: list[str], after: int = 0, batch: int = 512
+    ) -> AsyncGenerator[tuple[str, bytes, int], None]:
         """Every message the stream holds on `filters`, oldest first: (subject, body, stream seq).
         With `after`, only those stored after that stream sequence: a reader that has read to
-        some point reads again from there, not the whole call.
+        some point reads again from there, not the whole call. At most `batch` messages are
+        fetched at once (what a reader that stops early has fetched in vain).
 
         One ephemeral consumer, read to the end and deleted: the catch-up read of workers,
         the frontend's recovery of lost outputs and `duplexbus replay` all use it."""
-        async for m in self.read_stored_msgs(filters, after):
+        async for m in self.read_stored_msgs(filters, after, batch):
             yield m.subject, await self.body(m), m.metadata.sequence.stream
 
-    async def read_stored_msgs(self, filters: list[str], after: int = 0) -> AsyncGenerator[BusMsg, None]:
+    async def read_stored_msgs(self, filters: list[str], after: int = 0, batch: int = 512) -> AsyncGenerator[BusMsg, None]:
         """As read_stored, the messages themselves (with `.metadata`: the stream's sequence and
         the time the stream stored each)."""
         cfg = ConsumerConfig(
@@ -368,7 +371,7 @@ class BusConnection:
                 while pending > 0:
                     try:
                         with mapped(doing, self._denials):
-                            msgs = await sub.fetch(min(pending, 512), timeout=2.0)
+                            msgs = await sub.fetch(min(pending, batch), timeout=2.0)
                     except BusTimeout:
                         return
                     for m in msgs:

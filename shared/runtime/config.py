@@ -63,6 +63,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_slots: int = 512  # calls one worker takes at once
     max_batch: int = 64  # calls in one step
     step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
+    worker_call_buffer_mb: float = 2.0  # input one partition of a call may hold in a worker; past it the rest waits in the stream
+    worker_buffer_mb: float = 64.0  # input all of a worker's calls may hold; past it their input waits in the stream
     heartbeat_s: float = 1.0
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
@@ -86,6 +88,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "frontend_memory_mb": self.frontend_memory_mb,
             "worker_slots": self.worker_slots,
             "max_batch": self.max_batch,
+            "worker_call_buffer_mb": self.worker_call_buffer_mb,
+            "worker_buffer_mb": self.worker_buffer_mb,
             "heartbeat_s": self.heartbeat_s,
             "liveness_s": self.liveness_s,
             "placement_timeout_s": self.placement_timeout_s,
@@ -126,6 +130,14 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def max_send_buffer_bytes(self) -> int:
         return _mib(self.max_send_buffer_mb)
+
+    @property
+    def worker_call_buffer_bytes(self) -> int:
+        return _mib(self.worker_call_buffer_mb)
+
+    @property
+    def worker_buffer_bytes(self) -> int:
+        return _mib(self.worker_buffer_mb)
 
     @property
     def frontend_memory_bytes(self) -> int:

@@ -79,31 +79,37 @@ class CatchUpChunkPolicy(ChunkPolicy):
         return min(available, self.max_items)
 
 
+ITEM_OVERHEAD = 256  # bytes an item costs beside its tensor's (the objects around it), for bounds in bytes
+
+
+def item_bytes(item: Item) -> int:
+    """What holding `item` costs in memory, roughly: its tensor and the objects around it."""
+    return ITEM_OVERHEAD + (item.data.nbytes if item.data is not None else 0)
+
+
 class StreamBuffer:
-    """Reorders, deduplicates and bounds one call's items on one edge.
+    """Reorders, deduplicates and counts one call's items on one edge.
 
     Items may arrive twice (live subscription and catch-up read overlap) or out of
-    order; each seq is kept once. At most `capacity` items wait here: the caller
-    must stop reading (or fail the call) when `full` is true.
+    order; each seq is kept once. It holds whatever it is given: how much a worker
+    takes at once is its flow control's to bound (`held_bytes` says what is held here).
+    `max_items`, the stream's declared bound, refuses any item numbered past it.
     """
 
-    def __init__(self, policy: ChunkPolicy, capacity: int = 4096) -> None:
+    def __init__(self, policy: ChunkPolicy, max_items: int | None = None) -> None:
         self.policy = policy
-        self.capacity = capacity
+        self.max_items = max_items
         self._ready: deque[Item] = deque()  # contiguous from self._next_release
         self._pending: dict[int, Item] = {}  # arrived ahead of a gap
         self._next_release = 0  # seq of the first item in _ready
         self._next_expected = 0  # seq that would extend _ready
         self.total: int | None = None  # count from the end-of-stream message
         self.finished = False  # the last chunk has been released
+        self.held_bytes = 0  # item_bytes of every item held (ready or pending)
 
     @property
     def buffered(self) -> int:
         return len(self._ready) + len(self._pending)
-
-    @property
-    def full(self) -> bool:
-        return self.buffered >= self.capacity
 
     @property
     def missing(self) -> int | None:
@@ -116,14 +122,19 @@ class StreamBuffer:
     def complete(self) -> bool:
         return self.total is not None and self._next_expected >= self.total
 
+    def is_new(self, seq: int) -> bool:
+        """Not held nor released yet (a push of it would not be a duplicate)."""
+        return seq >= self._next_expected and seq not in self._pending
+
     def push(self, seq: int, item: Item) -> bool:
         """Add an item; False if it was a duplicate."""
-        if seq < self._next_expected or seq in self._pending:
+        if not self.is_new(seq):
             return False
         if self.total is not None and seq >= self.total:
             raise ProtocolError(f"item {seq} past the stream's end ({self.total} items)")
-        if self.full:
-            raise LimitExceeded("stream_buffer", f"more than {self.capacity} items buffered")
+        if self.max_items is not None and seq >= self.max_items:
+            raise LimitExceeded("stream_buffer", f"item {seq} is past the stream's declared bound of {self.max_items} items")
+        self.held_bytes += item_bytes(item)
         if seq == self._next_expected:
             self._ready.append(item)
             self._next_expected += 1
@@ -155,6 +166,8 @@ class StreamBuffer:
         if n == 0 and not (self.complete and not self._ready):
             return None
         items = [self._ready.popleft() for _ in range(n)]
+        for i in items:
+            self.held_bytes -= ITEM_OVERHEAD if i.data is None else ITEM_OVERHEAD + i.data.nbytes
         chunk = Chunk(items=items, first_seq=self._next_release)
         self._next_release += n
         if self.complete and not self._ready:

@@ -7,8 +7,12 @@ import json
 import time
 from typing import Any, Protocol
 
+import httpx
+import numpy as np
 import pytest
 import websockets
+
+from tests.support.audio import pcm
 
 Message = dict[str, Any]
 
@@ -171,3 +175,16 @@ class RawWS:
 
     def close(self) -> None:
         self.writer.close()
+
+
+async def post_one_shot(http_url: str, samples: np.ndarray, timeout: float = 300.0) -> list[Message]:
+    """`POST /generate` of `samples` as one raw PCM file: the NDJSON lines of the answer."""
+    body = json.dumps({"files": [{"name": "a.pcm", "data": pcm(samples)}]})
+    lines = []
+    async with httpx.AsyncClient(base_url=http_url, timeout=timeout) as client:
+        async with client.stream("POST", "/generate", content=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(json.loads(line))
+    return lines

@@ -261,9 +261,8 @@ class UpStack(Served):
             if text in line:
                 return line
 
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds (user + system) so far of each process of the stack, and of this client."""
-        tick = os.sysconf("SC_CLK_TCK")
+    def processes(self) -> dict[int, str]:
+        """pid -> role (`worker Talker`, `frontend`, `nats-server`...) of every process of the stack."""
         parent: dict[int, int] = {}
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
@@ -271,19 +270,27 @@ class UpStack(Served):
                     parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 except (OSError, IndexError, ValueError):
                     pass
-        mine, todo = [], [self.proc.pid]
+        out: dict[int, str] = {}
+        todo = [self.proc.pid]
         while todo:
             pid = todo.pop()
-            mine.append(pid)
+            try:
+                out[pid] = _role(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+            except OSError:
+                pass
             todo += [c for c, pp in parent.items() if pp == pid]
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of each process of the stack, and of this client."""
+        tick = os.sysconf("SC_CLK_TCK")
         out: dict[str, float] = {}
-        for pid in mine:
+        for pid, role in self.processes().items():
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            out[_role(argv)] = out.get(_role(argv), 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         t = os.times()
         out["load client"] = t.user + t.system
         return out
@@ -348,3 +355,32 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for {pid}")
+
+
+class PeakRSS:
+    """The largest resident memory of each of some processes, in MiB, sampled every 50 ms
+    while in use (`async with PeakRSS(pids) as rss: ...; rss.peak[pid]`)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.idle = {pid: rss_bytes(pid) / 2**20 for pid in pids}
+        self.peak = dict(self.idle)
+        self._task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        while True:
+            for pid in self.pids:
+                with contextlib.suppress(OSError, RuntimeError):  # gone meanwhile
+                    self.peak[pid] = max(self.peak[pid], rss_bytes(pid) / 2**20)
+            await asyncio.sleep(0.05)
+
+    def growth(self) -> dict[int, float]:
+        return {pid: self.peak[pid] - self.idle[pid] for pid in self.pids}
+
+    async def __aenter__(self) -> PeakRSS:
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
