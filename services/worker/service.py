@@ -352,11 +352,12 @@ class WorkerService:
         if call is None:
             self.reads.forget(read.cid)
             return
+        self.metrics.catch_up_reads.labels(read.why.value).inc()
         if read.why is Why.GAP:
             log.warning("call %s, %s: %s, reading them from the stream", read.cid, read.partition, read.detail)
             self.repairs += 1
-        elif read.why is Why.STALL:
-            log.info("call %s, %s: %s, reading its input from the stream", read.cid, read.partition, read.detail)
+        elif read.why is Why.STALL:  # a client that is quiet is no news: DEBUG, not INFO
+            log.debug("call %s, %s: %s, reading its input from the stream", read.cid, read.partition, read.detail)
         running = call.catchups.get(read.partition)
         if running is not None and not running.done():
             running.cancel()  # ended as far as InputReads knows (it starts one read at a time)
