@@ -24,6 +24,8 @@ from shared.runtime.process import TaskSet
 log = logging.getLogger(__name__)
 
 MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered path waits
+TICK_S = 0.5  # liveness, timeouts and the janitor are looked at this often
+WATCH_POLL_S = 0.5  # a watch's wait is cut this short, to notice a reconnect or a silent watch
 
 
 class ConductorService:
@@ -34,7 +36,11 @@ class ConductorService:
         self.events: asyncio.Queue[tuple[core.Event, BusMsg | None]] = asyncio.Queue(maxsize=10_000)
         self._bus: BusConnection | None = None
         self._unsettled = asyncio.Semaphore(MAX_UNSETTLED)
-        self._live = {b: Liveness(config.liveness_s) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
+        # A tick late by more than two periods means this process did not run meanwhile: that
+        # stretch is not counted as anyone's silence (liveness.ListeningClock).
+        self._live = {b: Liveness(config.liveness_s, max_gap_s=2 * TICK_S) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
+        self._watching = dict.fromkeys(self._live, False)  # the bucket's watch has delivered what it held: it hears heartbeats
+        self._reconnects = 0  # a watch made before the last reconnect may have died with the server
 
     @property
     def bus(self) -> BusConnection:
@@ -47,7 +53,9 @@ class ConductorService:
         return self.bus.kv
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._bus = await BusConnection.open(self.config, "duplexbus-conductor", buckets=list(BUCKETS))
+        self._bus = await BusConnection.open(
+            self.config, "duplexbus-conductor", buckets=list(BUCKETS), reconnected=self._on_reconnect
+        )
         await self._restore()
         sub = await self.bus.durable(conductor_consumer())
         log.info("conductor ready")
@@ -173,14 +181,22 @@ class ConductorService:
             error = e.message
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
 
+    async def _on_reconnect(self) -> None:
+        log.warning("reconnected to NATS: watching the heartbeats again")
+        self._reconnects += 1
+
     async def _watch(self, bucket: str) -> None:
         """Liveness from heartbeats: a put with a new revision is a sign of life, a delete a
         clean exit (liveness.py). Heartbeats come every heartbeat_s, so a watch that stays
-        silent longer may have died with a server restart: it is replaced, and the entries it
-        replays are not new revisions, so an old heartbeat does not revive a dead process."""
+        silent longer may have died with a server restart: it is replaced (so is one made
+        before a reconnect), and the entries it replays are not new revisions, so an old
+        heartbeat does not revive a dead process. Until a new watch has delivered what the
+        bucket holds, this conductor is not listening and counts nobody's silence."""
         kv = self.kv[bucket]
         silence = max(3 * self.config.heartbeat_s, self.config.liveness_s / 2)
         while True:
+            self._watching[bucket] = False
+            reconnects = self._reconnects
             try:
                 watch = await kv.watch()
             except BusError as e:  # NATS restarting or out of reach: the watch is made again
@@ -190,16 +206,23 @@ class ConductorService:
                 await asyncio.sleep(0.5)
                 continue
             try:
-                while True:
+                quiet = 0.0
+                while quiet < silence and reconnects == self._reconnects:
                     try:
-                        entry = await watch.next(timeout=silence)
+                        entry = await watch.next(timeout=WATCH_POLL_S)
+                    except BusTimeout:
+                        quiet += WATCH_POLL_S
+                        continue
                     except BusError as e:
-                        if not isinstance(e, BusTimeout):
-                            log.warning("%s; watching again", e)
+                        log.warning("%s; watching again", e)
                         break
-                    if entry is not None:
+                    quiet = 0.0
+                    if entry is None:  # what the bucket held is delivered: from now on it is news
+                        self._watching[bucket] = True
+                    else:
                         await self._heartbeat_entry(bucket, entry)
             finally:
+                self._watching[bucket] = False
                 await watch.stop()
 
     async def _heartbeat_entry(self, bucket: str, entry: KvEntry) -> None:
@@ -217,9 +240,11 @@ class ConductorService:
 
     async def _ticks(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(TICK_S)
             for bucket, live in self._live.items():
-                for key in live.expired(time.monotonic()):
+                now = time.monotonic()
+                live.hear(self.bus.is_connected and self._watching[bucket], now)
+                for key in live.expired(now):
                     log.warning("%s %s stopped heartbeating", bucket, key)
                     await self.events.put((_lost(bucket, key), None))
             await self.events.put((core.Tick(time.time()), None))
