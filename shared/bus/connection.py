@@ -194,6 +194,7 @@ class BusConnection:
         with mapped(f"opening bucket {name}", self._denials):
             try:
                 kv = await self._js.key_value(name)
+                await self._allow_marker_ttl(name)
             except NotFoundError:
                 if not create:
                     raise
@@ -204,6 +205,15 @@ class BusConnection:
                 except BadRequestError:  # another process created it meanwhile
                     kv = await self._js.key_value(name)
         return Bucket(kv, name, self._denials)
+
+    async def _allow_marker_ttl(self, bucket: str) -> None:
+        """A bucket made by an older version may refuse per-message TTLs, which removals use
+        (kv.MARKER_TTL_S): allow them (a setting the server lets one turn on, never off)."""
+        info = await self._js.stream_info(f"KV_{bucket}")
+        if not info.config.allow_msg_ttl:
+            info.config.allow_msg_ttl = True
+            await self._js.update_stream(info.config)
+            log.info("bucket %s now allows the marker TTL of removed keys", bucket)
 
     async def durable(self, config: ConsumerConfig) -> Durable:
         """The durable consumer `config` names, created where missing, bound for pulling."""

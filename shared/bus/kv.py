@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nats.js.errors import NoKeysError
-from nats.js.kv import KeyValue
+from nats.js import api
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KV_OP, KV_PURGE, MSG_ROLLUP_SUBJECT, KeyValue
 
 from shared.bus.failures import Denials, mapped
 from shared.runtime.errors import BusError, BusNotFound
@@ -24,6 +25,13 @@ from shared.runtime.process import every
 log = logging.getLogger(__name__)
 
 PUT, DELETE, PURGE = "PUT", "DEL", "PURGE"
+
+# How long the marker a removed key leaves stays (whole seconds, the server's least is 1). A
+# plain KV delete leaves its marker forever: one per call in duplex_calls and
+# duplex_request_ids, which every listing of keys (the conductor's restore) read again.
+# Watches see the marker as it is written; nothing reads it later.
+MARKER_TTL_S = 2
+WRONG_LAST_SEQUENCE = 10071  # the server's code for a conditional write that lost
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,9 @@ class Bucket:
         self._kv = kv
         self.name = name
         self._denials = denials
+        # nats-py's purge takes no expected revision; a removal is written as it would write it
+        self._js = kv._js
+        self._prefix = kv._pre
 
     def _doing(self, what: str, key: str | None = None) -> contextlib.AbstractContextManager[None]:
         return mapped(f"{what} {self.name}" + (f"/{key}" if key else ""), self._denials)
@@ -92,9 +103,20 @@ class Bucket:
             return None
 
     async def delete(self, key: str, last: int = 0) -> None:
-        """Delete `key`; with `last`, only if its revision is still that one (KeyTaken otherwise)."""
+        """Remove `key`; with `last`, only if its revision is still that one (KeyTaken otherwise).
+
+        Written as a purge whose marker expires after MARKER_TTL_S, so removed keys leave
+        nothing behind (watchers see a PURGE, which `KvEntry.removed` counts as a delete)."""
+        headers = {KV_OP: KV_PURGE, api.Header.ROLLUP: MSG_ROLLUP_SUBJECT}
+        if last:
+            headers[api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)
         with self._doing("delete", key):
-            await self._kv.delete(key, last=last or None)
+            try:
+                await self._js.publish(f"{self._prefix}{key}", b"", headers=headers, msg_ttl=MARKER_TTL_S)
+            except APIError as e:
+                if e.err_code == WRONG_LAST_SEQUENCE:
+                    raise KeyWrongLastSequenceError(description=e.description) from e
+                raise
 
     async def keys(self) -> list[str]:
         """The keys that exist now ([] for an empty bucket)."""
