@@ -14,6 +14,7 @@ from typing import Any
 
 from services.conductor import core
 from services.conductor.liveness import Liveness
+from services.conductor.retention import Janitor
 from shared.bus import subjects, wire
 from shared.bus.connection import BUCKETS, BusConnection, BusMsg, Durable, conductor_consumer
 from shared.bus.kv import Bucket, KvEntry
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered path waits
 TICK_S = 0.5  # liveness, timeouts and the janitor are looked at this often
 WATCH_POLL_S = 0.5  # a watch's wait is cut this short, to notice a reconnect or a silent watch
+JANITOR_S = 1.0  # how often the stream's size is looked at and finished calls removed
+PURGES_AT_ONCE = 32
 
 
 class ConductorService:
@@ -41,6 +44,11 @@ class ConductorService:
         self._live = {b: Liveness(config.liveness_s, max_gap_s=2 * TICK_S) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
         self._watching = dict.fromkeys(self._live, False)  # the bucket's watch has delivered what it held: it hears heartbeats
         self._reconnects = 0  # a watch made before the last reconnect may have died with the server
+        r = config.retention
+        self.janitor = Janitor(r.max_age_s, r.max_bytes, r.refuse_above_bytes)
+        self._stream_full = False  # as last told to the core
+        self.removed = 0  # finished calls removed from the stream, and the seconds it took
+        self.removing_s = 0.0
 
     @property
     def bus(self) -> BusConnection:
@@ -67,6 +75,7 @@ class ConductorService:
                     tg.create_task(self._watch(subjects.KV_FRONTENDS)),
                     tg.create_task(self._ticks()),
                     tg.create_task(self._process()),
+                    tg.create_task(self._janitor()),
                 ]
                 await stop.wait()
                 for t in tasks:
@@ -157,7 +166,7 @@ class ConductorService:
             if isinstance(a, core.SendAssign):
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
-                writes.append(self.tasks.spawn(self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))))
+                writes.append(self.tasks.spawn(self._fin(a)))
                 if a.request_id:  # the frontend frees it too, when it is alive to see the fin
                     rids = self.kv[subjects.KV_REQUEST_IDS]
                     self.tasks.spawn(rids.release(a.request_id, a.cid.encode(), a.request_id_revision))
@@ -168,6 +177,65 @@ class ConductorService:
             elif isinstance(a, core.DeleteRecord):
                 writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].delete_if_there(a.cid)))
         return writes
+
+    async def _fin(self, a: core.PublishFin) -> None:
+        await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))
+        self.janitor.ended(a.cid, time.monotonic())  # its messages may go from now on (retention.py)
+
+    async def _janitor(self) -> None:
+        """Keep the stream within retention by removing finished calls (retention.py); tell
+        the core when it is past hard_max_bytes. Live calls are never touched."""
+        await self._find_finished()
+        report = time.monotonic() + 60
+        while True:
+            await asyncio.sleep(JANITOR_S)
+            try:
+                await self._clean()
+            except BusError as e:
+                log.log(logging.WARNING if e.recoverable else logging.ERROR, "removing finished calls: %s", e)
+                await asyncio.sleep(0 if e.recoverable else 30)
+            if time.monotonic() > report:
+                if self.removed:
+                    log.info("removed %d finished calls from the stream in %.1f s", self.removed, self.removing_s)
+                self.removed, self.removing_s, report = 0, 0.0, time.monotonic() + 60
+
+    async def _find_finished(self) -> None:
+        """The finished calls a conductor before this one left in the stream (each has a fin)."""
+        while True:
+            try:
+                fins = await self.bus.stored_subjects(subjects.fin("*"))
+                break
+            except BusError as e:
+                if not e.recoverable:
+                    log.error("finding the finished calls in the stream: %s; they go by age alone", e)
+                    return
+                await asyncio.sleep(0.5)
+        cids = [c for c in (subjects.parse(f).cid for f in fins) if c not in self.core.calls]
+        self.janitor.found(cids, time.monotonic())
+        if cids:
+            log.info("%d finished calls in the stream", len(cids))
+
+    async def _clean(self) -> None:
+        stream_bytes = await self.bus.stream_bytes()
+        full = self.janitor.full(stream_bytes)
+        if full != self._stream_full:
+            self._stream_full = full
+            if full:
+                log.error("the stream holds %d bytes (retention.hard_max_bytes): new calls are refused", stream_bytes)
+            else:
+                log.warning("the stream holds %d bytes: new calls are taken again", stream_bytes)
+            await self.events.put((core.StreamFull(full), None))
+        cids = self.janitor.plan(stream_bytes, len(self.core.calls), time.time(), time.monotonic())
+        start = time.perf_counter()
+        for i in range(0, len(cids), PURGES_AT_ONCE):
+            batch = cids[i : i + PURGES_AT_ONCE]
+            results = await asyncio.gather(*(self.bus.purge(subjects.call_all(c)) for c in batch), return_exceptions=True)
+            errors = {c: r for c, r in zip(batch, results, strict=True) if isinstance(r, Exception)}
+            self.janitor.again(list(errors))
+            self.removed += len(batch) - len(errors)
+            if errors:
+                log.warning("removing %d finished calls failed (%s); trying again", len(errors), next(iter(errors.values())))
+        self.removing_s += time.perf_counter() - start
 
     async def _assign(self, a: core.SendAssign) -> None:
         ok, error = False, None

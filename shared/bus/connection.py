@@ -9,6 +9,7 @@ what the stream holds, and closes. nats-py's exceptions come out as `BusError`s.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -37,7 +38,7 @@ from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import BusError, BusNotFound, BusTimeout, BusUnavailable
+from shared.runtime.errors import BusError, BusNotFound, BusRefused, BusTimeout, BusUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,16 @@ HEARTBEAT_BUCKETS = (subjects.KV_WORKERS, subjects.KV_FRONTENDS)
 
 
 def stream_config(config: ServingConfig) -> StreamConfig:
+    """No byte limit: the server would drop the oldest messages, a live call's start among
+    them. The conductor, which knows which calls are live, removes finished ones instead
+    (services/conductor/retention.py); the age limit is one no live call reaches."""
     return StreamConfig(
         name=subjects.STREAM,
         subjects=subjects.STREAM_SUBJECTS,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        max_age=config.retention.max_age_s,
-        max_bytes=config.retention.max_bytes,
+        max_age=config.stream_max_age_s,
+        max_bytes=-1,
         num_replicas=config.retention.replicas,
         discard=DiscardPolicy.OLD,
         duplicate_window=120.0,
@@ -349,6 +353,34 @@ class BusConnection:
                     await self._js.delete_consumer(subjects.STREAM, info.name)
             except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
                 log.debug("deleting a read's consumer: %s", e)
+
+    # -- retention -------------------------------------------------------------
+    async def stream_bytes(self) -> int:
+        """The bytes the stream holds now."""
+        with mapped("reading the stream's state", self._denials):
+            info = await self._js.stream_info(subjects.STREAM)
+        return int(info.state.bytes or 0)
+
+    async def purge(self, subject: str) -> None:
+        """Remove every message the stream holds on `subject` (a wildcard: a whole call)."""
+        with mapped(f"purging {subject}", self._denials):
+            await self._js.purge_stream(subjects.STREAM, subject=subject)
+
+    async def stored_subjects(self, subject_filter: str) -> list[str]:
+        """The subjects matching `subject_filter` that the stream holds messages on, page by
+        page (the server gives up to 100,000 at a time; nats-py asks for the first page only)."""
+        found: list[str] = []
+        while True:
+            request = json.dumps({"subjects_filter": subject_filter, "offset": len(found)}).encode()
+            with mapped(f"listing {subject_filter}", self._denials):
+                reply = await self._nc.request(f"$JS.API.STREAM.INFO.{subjects.STREAM}", request, timeout=30.0)
+            info = json.loads(reply.data)
+            if "error" in info:
+                raise BusRefused(f"listing {subject_filter}", str(info["error"].get("description", info["error"])))
+            page = list((info.get("state") or {}).get("subjects") or {})
+            found += page
+            if not page or len(found) >= int(info.get("total") or 0):
+                return found
 
     # -- closing ---------------------------------------------------------------
     async def close(self, timeout: float = 2.0) -> None:
