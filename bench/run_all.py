@@ -19,6 +19,7 @@ BENCHES = [
     ["bench/batching.py"],
     ["bench/voice_assistant_rtf.py"],
     ["-m", "bench.voice_latency"],
+    ["-m", "bench.gateway_cost", "--calls", "1,20,50", "--appends", "200"],  # needs Docker: scripts/docker.sh prepare
 ]
 
 

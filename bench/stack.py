@@ -9,7 +9,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,31 +19,9 @@ import nats
 from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 
+from duplexbus.supervisor import saved_nats_url
 from shared.bus import subjects
 from shared.bus.embedded import free_port
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> int:
-    """The first of `n` consecutive free ports (`up --frontends n --port P` serves on P .. P + n - 1).
-
-    Each is bound once to check; another process may still take one before `up` does."""
-    for _ in range(100):
-        base = free_port(host)
-        if base + n > 65536:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind((host, p))
-        except OSError:
-            continue
-        else:
-            return base
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"found no {n} consecutive free ports")
 
 
 async def bucket_keys(kv: KeyValue, tries: int = 20) -> list[str]:
@@ -67,7 +44,7 @@ class UpStack:
     def __init__(
         self, model: str = "echo", frontends: int = 1, workers: int = 1, config: dict | None = None, colocate: bool = False
     ) -> None:
-        self.port = free_ports(frontends)
+        self.port = free_port()  # every frontend serves on it
         self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-"))
         cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", model, "--port", str(self.port)]
         cmd += ["--frontends", str(frontends), "--workers", str(workers), "--run-dir", str(self.dir / "run")]
@@ -81,21 +58,22 @@ class UpStack:
         env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
         env["DUPLEXBUS_LOG"] = "WARNING"
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        assert self.proc.stdout is not None
-        first = self.proc.stdout.readline()
-        self.nats_url = first.split(" on ")[1].split(",")[0]
         self.frontends = frontends
         self._wait_ready()
+        url = saved_nats_url(self.dir / "run")  # with the embedded server's credentials
+        if url is None:
+            raise RuntimeError("duplexbus up left no NATS URL in its run directory")
+        self.nats_url = url
 
     def _wait_ready(self) -> None:
         """`up` prints its serving line once every frontend answers and every worker heartbeats."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "serving" not in line:
-            raise RuntimeError(f"duplexbus up did not become ready: {line.strip()}")
+        while "serving" not in (line := self.proc.stdout.readline()):
+            if not line or "did not become ready" in line:
+                raise RuntimeError(f"duplexbus up did not become ready: {line.strip()}")
 
     def ws_url(self, i: int = 0) -> str:
-        return f"ws://127.0.0.1:{self.port + i % self.frontends}/generate/ws"
+        return f"ws://127.0.0.1:{self.port}/generate/ws"  # the kernel spreads sockets over the frontends
 
     async def worker_stats(self, reset: bool = False) -> list[dict]:
         nc = await nats.connect(self.nats_url)

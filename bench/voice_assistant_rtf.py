@@ -34,11 +34,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_assistant_rtf.py` finds `bench`
 
-from bench.clips import piper_clips
 from bench.stack import machine
+from clients.eval.metrics import word_error_rate
 from models.voice_assistant import FRAME, SAMPLE_RATE, VoiceAssistantModel
 from models.voice_assistant.audio import silence
-from models.voice_assistant.text import SAMPLE_SENTENCES, word_error_rate
+from models.voice_assistant.clips import piper_clips
+from models.voice_assistant.text import SAMPLE_SENTENCES
 from shared.sdk.chunking import Item
 from shared.sdk.model import CallInfo, Emission, Partition, StepInput
 

@@ -46,10 +46,10 @@ import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_latency.py` finds `bench`
 
-from bench.clips import piper_clips
 from bench.stack import UpStack, is_final, machine
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES
 from shared.runtime.stats import percentile
 from shared.sdk.audio import b64_pcm16

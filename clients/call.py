@@ -19,28 +19,33 @@ from typing import Any
 import numpy as np
 import websockets
 
-from shared.sdk.audio import WAV_ERRORS, b64_pcm16, encode_wav, pcm16_from_b64, pcm16_mono_mismatch
-from shared.sdk.audio import read_wav as parse_wav
+from shared.sdk.audio import b64_pcm16, encode_wav, pcm16_from_b64, resample_pcm16
 
-# Appends go as raw PCM (`chunk.pcm`), which the models read at their own rate:
-# 16 kHz mono 16-bit for every built-in model. A file at another rate would play
-# at the wrong speed, so it is refused rather than sent.
+# Appends go as raw PCM (`chunk.pcm`), which the models read at their own rate: 16 kHz mono
+# 16-bit for every built-in model. A file at another rate, width or channel count is
+# converted first (downmixed, resampled with soxr), and the command says so.
 SAMPLE_RATE = 16_000
 
 
-def read_wav(path: str) -> tuple[np.ndarray, int]:
-    """Samples and rate of a mono 16-bit 16 kHz WAV; SystemExit with the reason otherwise."""
+def read_wav(path: str, rate: int | None = SAMPLE_RATE) -> tuple[np.ndarray, int]:
+    """Mono PCM16 samples from any WAV soundfile reads, at `rate` (its own rate where None),
+    and that rate; SystemExit with the reason where it cannot."""
+    import soundfile
+
     try:
-        channels, width, rate, frames = parse_wav(Path(path).read_bytes())
-    except OSError as e:
-        raise SystemExit(f"{path}: cannot read: {e}") from None
-    except WAV_ERRORS as e:
-        raise SystemExit(f"{path}: not a readable WAV file: {e}") from None
-    wrong = pcm16_mono_mismatch(channels, width, rate, SAMPLE_RATE)
-    if wrong:
-        hint = "; resample it first" if rate != SAMPLE_RATE else ""
-        raise SystemExit(f"{path}: expected {wrong}{hint}")
-    return np.frombuffer(frames, dtype="<i2"), rate
+        data, got = soundfile.read(path, dtype="float32", always_2d=True)
+    except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
+        raise SystemExit(f"{path}: cannot read it as audio: {e}") from None
+    channels = data.shape[1]
+    mono = data.mean(axis=1) if channels > 1 else data[:, 0]
+    samples = np.clip(np.round(mono * 32768.0), -32768, 32767).astype("<i2")
+    want = rate or got
+    if channels > 1 or got != want:
+        what = [f"{channels} channels to 1"] if channels > 1 else []
+        what += [f"{got} Hz to {want} Hz"] if got != want else []
+        print(f"{path}: converting {' and '.join(what)}", file=sys.stderr)
+        samples = resample_pcm16(samples, got, want)
+    return samples, want
 
 
 def pcm_file(samples: np.ndarray) -> dict[str, str]:
@@ -115,7 +120,11 @@ async def run_call(args: argparse.Namespace) -> int:
         else:
             print(json.dumps(msg))
 
-    result = await stream_call(args.url, samples, rate, args.append_ms, args.fast, args.model, args.request_id, show)
+    try:
+        result = await stream_call(args.url, samples, rate, args.append_ms, args.fast, args.model, args.request_id, show)
+    except (OSError, websockets.InvalidHandshake, websockets.ConnectionClosedError) as e:
+        print(f"error: cannot talk to {args.url}: {e or type(e).__name__} (is duplexbus up running?)", file=sys.stderr)
+        return 1
     audio, out_rate = reply_audio(result["outputs"])
     if len(audio):
         Path(args.out).write_bytes(encode_wav(audio, out_rate))

@@ -1,30 +1,51 @@
-"""The `duplexbus` command: up, frontend, conductor, worker, call, replay, nats."""
+"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats, health."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
+
 from shared.runtime.config import ServingConfig, load_config
-from shared.runtime.errors import ConfigError
-from shared.runtime.process import install_stop_signals, setup_logging, tune_gc
+from shared.runtime.errors import BusError, BusUnavailable, ConfigError
+from shared.runtime.process import STOP_GRACE_S, install_stop_signals, run_until_stopped, setup_logging, tune_gc
 
 
 def _config(args: argparse.Namespace) -> ServingConfig:
     return load_config(args.config, model=getattr(args, "model", None))
 
 
-def _serve(run: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run a service until SIGINT/SIGTERM, after freezing what start-up loaded out of the GC."""
+def _cli_config(args: argparse.Namespace) -> ServingConfig:
+    """A bus command's config: --nats-url, else the config and $NATS_URL, else the URL that
+    `duplexbus up` left in its run directory (so `replay` works right after `make up`)."""
+    cfg = load_config(getattr(args, "config", None), nats_url=getattr(args, "nats_url", None))
+    if cfg.nats_url:
+        return cfg
+    from duplexbus.supervisor import saved_nats_url
+
+    saved = saved_nats_url(Path(getattr(args, "run_dir", None) or ".run"))
+    if saved is None:
+        raise BusUnavailable("finding NATS", "no NATS URL: give --nats-url, set NATS_URL, or run `duplexbus up` here first")
+    return msgspec.structs.replace(cfg, nats_url=saved)
+
+
+def _serve(run: Callable[[asyncio.Event], Awaitable[None]], grace_s: float) -> int:
+    """Run a service until SIGINT/SIGTERM, after freezing what start-up loaded out of the GC.
+
+    A stop is bounded: a service that has not finished `grace_s` after the signal (NATS out of
+    reach while it connects or drains, say) is cancelled, so SIGTERM always ends it."""
 
     async def main() -> None:
         stop = asyncio.Event()
         install_stop_signals(stop)
-        await run(stop)
+        await run_until_stopped(run, stop, grace_s)
 
     tune_gc()
     try:
@@ -40,7 +61,8 @@ def cmd_conductor(args: argparse.Namespace) -> int:
     from services.conductor.service import ConductorService
 
     setup_logging("conductor")
-    return _serve(ConductorService(_config(args)).run)
+    cfg = _config(args)
+    return _serve(ConductorService(cfg).run, cfg.shutdown_drain_s + STOP_GRACE_S)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -48,7 +70,40 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     setup_logging("worker")
     cfg = _config(args)
-    return _serve(WorkerService(cfg, cfg.model, args.partition or None).run)
+    return _serve(WorkerService(cfg, cfg.model, worker_partitions(args.partition)).run, cfg.shutdown_drain_s + STOP_GRACE_S)
+
+
+PARTITIONS_ENV = "DUPLEXBUS_PARTITIONS"
+
+
+def worker_partitions(flags: list[str] | None) -> list[str] | None:
+    """--partition, else $DUPLEXBUS_PARTITIONS (comma-separated), else None: every partition.
+    A generic container runs any model's partitions without naming them in its command."""
+    if flags:
+        return flags
+    named = [p.strip() for p in os.environ.get(PARTITIONS_ENV, "").split(",") if p.strip()]
+    return named or None
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when this container's service is healthy, 1 (saying why) when not."""
+    if args.url:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(args.url, timeout=args.timeout) as r:
+                return 0 if r.status == 200 else 1
+        except (OSError, urllib.error.URLError) as e:
+            print(f"unhealthy: {args.url}: {e}", file=sys.stderr)
+            return 1
+    from shared.runtime.healthfile import unhealthy
+
+    why = unhealthy(args.max_age or _config(args).liveness_s)
+    if why:
+        print(f"unhealthy: {why}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
@@ -56,6 +111,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     from services.frontend.app import create_app
     from services.frontend.websocket import FrontendWebSocketProtocol
+    from shared.runtime.process import setup_logging, tune_gc
 
     setup_logging("frontend")
     cfg = _config(args)
@@ -64,7 +120,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     app = create_app(cfg)
     tune_gc()
     ws_max = 2 * cfg.max_message_bytes + 1024 * 1024  # the app answers oversize messages itself
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -75,6 +131,9 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         lifespan="on",
         ws_ping_interval=20,
     )
+    # --fd: a listening socket inherited from `duplexbus up`, which every frontend accepts on.
+    sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else None
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 
@@ -119,68 +178,109 @@ def cmd_call(args: argparse.Namespace) -> int:
     return asyncio.run(run_call(args))
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clients.eval.command import run
+
+    return asyncio.run(run(args))
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from clients.replay import run_replay
 
-    return asyncio.run(run_replay(args))
+    return asyncio.run(run_replay(args, _cli_config(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="duplexbus", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from duplexbus import __version__
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="duplexbus", description=__doc__, formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"duplexbus {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=fmt)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--config", help="serving config YAML (or $DUPLEXBUS_CONFIG)")
-        sp.add_argument("--model", help="model to serve (overrides the config)")
+        sp.add_argument("--config", help="serving config YAML (default: $DUPLEXBUS_CONFIG, else every default)")
+        sp.add_argument("--model", help="model to serve (default: $DUPLEXBUS_MODEL, else the config's `model`)")
 
-    up = sub.add_parser("up", help="embedded NATS + conductor + workers + frontends, supervised")
+    up = command("up", "embedded NATS + conductor + workers + frontends, supervised (Ctrl-C stops all)")
     common(up)
-    up.add_argument("--frontends", type=int, default=1)
+    up.add_argument("--frontends", type=int, default=1, help="frontend processes, all serving on the one --port")
     up.add_argument("--workers", type=int, default=1, help="workers per partition (with --colocate: worker processes)")
     up.add_argument(
         "--colocate",
         action="store_true",
         help="each worker process runs every partition; the edges between them stay in the process (small machines)",
     )
-    up.add_argument("--host")
-    up.add_argument("--port", type=int)
-    up.add_argument("--run-dir", default=".run")
+    up.add_argument("--host", help="address the frontends listen on (default: the config's `host`, 127.0.0.1)")
+    up.add_argument("--port", type=int, help="port the frontends listen on (default: the config's `port`, 8000)")
+    up.add_argument("--run-dir", default=".run", help="logs, the embedded NATS store and its URL go here")
     up.set_defaults(fn=cmd_up)
 
-    fe = sub.add_parser("frontend", help="serve /generate/ws and POST /generate")
+    fe = command("frontend", "serve /generate/ws and POST /generate")
     common(fe)
-    fe.add_argument("--host")
-    fe.add_argument("--port", type=int)
+    fe.add_argument("--host", help="address to listen on (default: the config's `host`)")
+    fe.add_argument("--port", type=int, help="port to listen on (default: the config's `port`)")
+    fe.add_argument("--fd", type=int, help="accept on this inherited listening socket instead (as `duplexbus up` does)")
     fe.set_defaults(fn=cmd_frontend)
 
-    co = sub.add_parser("conductor", help="admission, placement, completion")
+    co = command("conductor", "admission, placement, completion")
     common(co)
     co.set_defaults(fn=cmd_conductor)
 
-    wo = sub.add_parser("worker", help="run partitions of the model")
+    wo = command("worker", "run partitions of the model")
     common(wo)
-    wo.add_argument("--partition", action="append", help="partition to run (repeatable; default all)")
+    wo.add_argument(
+        "--partition",
+        action="append",
+        help=f"partition to run (repeatable; default: ${PARTITIONS_ENV}, comma-separated, else every partition)",
+    )
     wo.set_defaults(fn=cmd_worker)
 
-    na = sub.add_parser("nats", help="run the embedded nats-server in the foreground")
-    na.add_argument("--store", default=".run/nats")
-    na.add_argument("--port", type=int, default=4222)
+    he = command("health", "container healthcheck: exit 0 when this container's service works")
+    he.add_argument("--config", help="serving config YAML (or $DUPLEXBUS_CONFIG): its liveness_s is the default --max-age")
+    he.add_argument("--url", help="healthy when this URL answers 200 (a frontend's /healthz)")
+    he.add_argument("--max-age", type=float, help="the service's last beat may be this old, in seconds")
+    he.add_argument("--timeout", type=float, default=3.0, help="for --url, in seconds")
+    he.set_defaults(fn=cmd_health)
+
+    na = command("nats", "run the embedded nats-server in the foreground")
+    na.add_argument("--store", default=".run/nats", help="JetStream store directory")
+    na.add_argument("--port", type=int, default=4222, help="client port")
     na.set_defaults(fn=cmd_nats)
 
-    ca = sub.add_parser("call", help="stream a WAV file as a live call and print what comes back")
-    ca.add_argument("file")
-    ca.add_argument("--url", default="ws://127.0.0.1:8000/generate/ws")
-    ca.add_argument("--model")
+    ca = command("call", "stream a WAV file as a live call, print what comes back, write the reply audio")
+    ca.add_argument("file", help="a WAV file (PCM16; other rates and stereo are converted)")
+    ca.add_argument("--url", default="ws://127.0.0.1:8000/generate/ws", help="the frontend's socket")
+    ca.add_argument("--model", help="model to call (default: the one the frontend serves)")
     ca.add_argument("--fast", action="store_true", help="send as fast as possible, not in real time")
-    ca.add_argument("--append-ms", type=int, default=80)
+    ca.add_argument("--append-ms", type=int, default=80, help="audio per append")
     ca.add_argument("--out", default="reply.wav", help="where to write the reply audio")
-    ca.add_argument("--request-id")
-    ca.add_argument("--quiet", action="store_true")
+    ca.add_argument("--request-id", help="the call's request_id (default: a random one)")
+    ca.add_argument("--quiet", action="store_true", help="print only the finish")
     ca.set_defaults(fn=cmd_call)
 
-    rp = sub.add_parser("replay", help="print every message of a call from the stream")
-    rp.add_argument("cid")
-    rp.add_argument("--nats-url")
+    from clients.eval.command import add_parser as add_eval
+
+    add_eval(sub).set_defaults(fn=cmd_eval)
+
+    from clients import DefaultsHelp
+    from clients.replay import add_arguments as add_replay
+
+    rp = sub.add_parser(
+        "replay",
+        help="a call's messages from the stream: a timeline, its audio, a rerun, or live",
+        description="Read one call back from the stream (by cid or request_id): a timeline of every message by default.",
+        formatter_class=DefaultsHelp,
+    )
+    add_replay(rp)
+    rp.add_argument(
+        "--nats-url",
+        help="NATS URL(s), comma-separated for a cluster (default: $NATS_URL, else the one `duplexbus up` left in --run-dir)",
+    )
+    rp.add_argument("--run-dir", default=".run", help="where `duplexbus up` keeps its run files")
     rp.set_defaults(fn=cmd_replay)
     return p
 
@@ -193,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except BusError as e:  # cannot reach NATS, refused: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

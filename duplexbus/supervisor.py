@@ -9,9 +9,10 @@ If the supervisor itself is killed, the kernel stops the children (PDEATHSIG).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,17 +23,12 @@ from pathlib import Path
 
 import msgspec
 
-from shared.bus.embedded import NatsServer
+from shared.bus.embedded import NatsServer, StoreInUse
 from shared.runtime.config import ServingConfig
+from shared.runtime.process import die_with_parent
 
-PR_SET_PDEATHSIG = 1
 POLL_S = 0.2  # the supervision loop's pass
 RESTART_RESET_S = 30.0  # a child that ran this long restarts with the shortest backoff again
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -44,6 +40,7 @@ class Child:
     restarts: int = 0
     started: float = 0.0
     restart_at: float | None = None  # set once its exit is noticed: when it starts again
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (the frontends' listening socket)
 
     def start(self, env: dict[str, str], log_dir: Path) -> None:
         out = open(log_dir / f"{self.name}.log", "ab")
@@ -54,7 +51,8 @@ class Child:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
+            pass_fds=self.pass_fds,
         )
         out.close()
         self.started = time.monotonic()
@@ -77,7 +75,9 @@ class UpOptions:
     stop_timeout: float = 15.0  # per group of children; more than their shutdown_drain_s
 
 
-def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
+def plan(opts: UpOptions, partitions: list[str], listen_fd: int | None = None) -> list[Child]:
+    """The children to start. With `listen_fd`, every frontend accepts on that one inherited
+    socket (one port for all of them); without, frontend i binds port + i itself."""
     py = [sys.executable, "-m", "duplexbus.cli"]
     common = (["--config", opts.config] if opts.config else []) + (["--model", opts.model] if opts.model else [])
     children = [Child("conductor", [*py, "conductor", *common], order=2)]
@@ -89,8 +89,9 @@ def plan(opts: UpOptions, partitions: list[str]) -> list[Child]:
             for i in range(opts.workers):
                 children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
     for i in range(opts.frontends):
-        port = opts.port + i
-        children.append(Child(f"frontend-{i}", [*py, "frontend", *common, "--host", opts.host, "--port", str(port)], order=0))
+        where = ["--fd", str(listen_fd)] if listen_fd is not None else ["--host", opts.host, "--port", str(opts.port + i)]
+        fds = (listen_fd,) if listen_fd is not None else ()
+        children.append(Child(f"frontend-{i}", [*py, "frontend", *common, *where], order=0, pass_fds=fds))
     return children
 
 
@@ -169,10 +170,71 @@ def tend(children: list[Child], env: dict[str, str], log_dir: Path, now: float) 
             c.start(env, log_dir)
 
 
+NATS_URL_FILE = "nats.url"  # in the run directory: the embedded server's URL, credentials included
+
+
+def saved_nats_url(run_dir: Path) -> str | None:
+    """The URL `duplexbus up` left in `run_dir` for the CLI's bus commands (None: none there)."""
+    try:
+        return (run_dir / NATS_URL_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _save_nats_url(run_dir: Path, url: str) -> None:
+    """Readable by this user alone: the URL carries the embedded server's password."""
+    path = run_dir / NATS_URL_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(url + "\n")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The one listening socket every frontend accepts on (inherited: `up --frontends N` serves
+    them all on one port). Bound here, once, so a port in use is refused before anything starts."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class EmbeddedNats:
+    """The embedded nats-server as one more supervised child: restarted on its port and store
+    if it exits, so the services (which reconnect by themselves) carry on."""
+
+    def __init__(self, server: NatsServer) -> None:
+        self.server = server
+        self.restarts = 0
+        self.restart_at: float | None = None
+
+    def tend(self, now: float) -> None:
+        code = self.server.exited()
+        if code is None:
+            return
+        if self.restart_at is None:
+            backoff = min(10.0, 0.5 * 2**self.restarts)
+            print(f"nats-server exited ({code}); restarting in {backoff:.1f}s", flush=True)
+            self.restart_at = now + backoff
+        elif now >= self.restart_at:
+            self.restarts += 1
+            self.restart_at = None
+            try:
+                self.server.start()
+            except (OSError, RuntimeError, TimeoutError, StoreInUse) as e:
+                print(f"nats-server did not start again: {e}", flush=True)
+
+
 def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     """Serve until SIGINT/SIGTERM. NATS is `cfg.nats_url` (the config's or $NATS_URL) when set,
-    else an embedded server. Returns 1 when the stack never became ready (a stop during
-    start-up, Ctrl-C say, ends the wait at once)."""
+    else an embedded server, with generated credentials. Returns 1 when the stack never became
+    ready (a stop during start-up, Ctrl-C say, ends the wait at once), 2 when it could not
+    start at all (the port or the NATS store in use), having started nothing."""
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -184,18 +246,36 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = opts.run_dir / "logs"
     log_dir.mkdir(exist_ok=True)
+    try:
+        listener = listen(opts.host, opts.port)
+    except OSError as e:
+        print(f"error: cannot serve on {opts.host}:{opts.port}: {e.strerror or e}; another duplexbus up (or another "
+              "program) holds it: stop it, or choose another --port", file=sys.stderr, flush=True)  # fmt: skip
+        return 2
     env = dict(os.environ)
-    server: NatsServer | None = None
-    if not cfg.nats_url:
-        server = NatsServer(opts.run_dir / "nats", log_file=log_dir / "nats-server.log").start()
-        env["NATS_URL"] = server.url
-        cfg = msgspec.structs.replace(cfg, nats_url=server.url)
-        print(f"nats-server (embedded) on {server.url}, store {opts.run_dir / 'nats'}", flush=True)
-    else:
-        print(f"using NATS at {cfg.nats_url}", flush=True)  # the children read the same config
-    children = plan(opts, partitions)
+    nats: EmbeddedNats | None = None
+    children: list[Child] = []
     ready = failed = False
     try:
+        if not cfg.nats_url:
+            server = NatsServer(
+                opts.run_dir / "nats",
+                log_file=log_dir / "nats-server.log",
+                credentials=("duplexbus", secrets.token_urlsafe(24)),
+            )
+            try:
+                nats = EmbeddedNats(server.start())
+            except StoreInUse as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                return 2
+            _save_nats_url(opts.run_dir, server.client_url)
+            env["NATS_URL"] = server.client_url
+            cfg = msgspec.structs.replace(cfg, nats_url=server.client_url)
+            print(f"nats-server (embedded) on {server.url}, store {opts.run_dir / 'nats'}, "
+                  f"monitoring on http://{server.host}:{server.monitor_port}", flush=True)  # fmt: skip
+        else:
+            print(f"using NATS at {cfg.nats_url}", flush=True)  # the children read the same config
+        children = plan(opts, partitions, listener.fileno())
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
@@ -209,12 +289,17 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)
             failed = stop = True
         while not stop:
-            tend(children, env, log_dir, time.monotonic())
+            now = time.monotonic()
+            if nats is not None:
+                nats.tend(now)
+            tend(children, env, log_dir, now)
             time.sleep(POLL_S)
     finally:
         stop_all(children, opts.stop_timeout)
-        if server is not None:
-            server.stop()
+        listener.close()
+        if nats is not None:
+            nats.server.stop()
+            (opts.run_dir / NATS_URL_FILE).unlink(missing_ok=True)
         print("stopped", flush=True)
     return 1 if failed else 0
 

@@ -8,13 +8,23 @@ inter-partition stream crosses the bus.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
 
-from shared.sdk.audio import b64_pcm16
+from shared.sdk.audio import b64_pcm16, pcm16_from_b64
 from shared.sdk.chunking import CatchUpChunkPolicy, Item
 from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
+from shared.sdk.realtime import (
+    ModelEvent,
+    RealtimeMapping,
+    ReplyAudio,
+    ReplyEnded,
+    ReplyStarted,
+    SpeechStarted,
+    SpeechStopped,
+)
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 SAMPLE_RATE = 16_000
@@ -106,3 +116,80 @@ class EchoModel(Model):
 
     def create_partition(self, name: str) -> Partition:
         return {"Encoder": Encoder, "Talker": Talker}[name]()
+
+    def realtime_mapping(self) -> RealtimeMapping:
+        return EchoRealtime()
+
+
+class EchoRealtime(RealtimeMapping):
+    """echo over `/v1/realtime`: what the caller committed comes back as one response.
+
+    Manual commits: frame i of the output is samples [1280 i, 1280 (i + 1)) of the call's
+    audio, so each committed range of samples comes back exactly, as one reply; the zeros
+    the frontend pads a commit with belong to no range and are dropped.
+
+    Server VAD: echo's own turn-taking is by energy (the `rms` its Encoder computes): a turn
+    starts at a frame of at least `VOICED_RMS` and ends after `QUIET_FRAMES` quieter frames
+    (or at `MAX_TURN_FRAMES`); its reply is the turn's frames, up to the last voiced one.
+    """
+
+    VOICED_RMS = 300.0  # about -40 dBFS
+    QUIET_FRAMES = 6  # 480 ms of quiet ends a turn
+    MAX_TURN_FRAMES = 375  # 30 s: the most one turn holds
+
+    def __init__(self) -> None:
+        self.server_vad = False
+        self.ranges: deque[tuple[int, int]] = deque()  # committed [start, end), not yet all back
+        self.started = False  # the head range's reply has started
+        self.turn: list[np.ndarray] = []  # server VAD: the open turn's frames
+        self.voiced = 0  # frames of the open turn up to its last voiced one
+        self.start_frame = 0
+
+    def set_server_vad(self, on: bool) -> None:
+        self.server_vad = on
+
+    def committed(self, start: int, samples: int) -> None:
+        self.ranges.append((start, start + samples))
+
+    def on_output(self, output: dict[str, Any]) -> list[ModelEvent]:
+        i = int(output["frame"])
+        pcm = pcm16_from_b64(output["audio"])
+        if self.server_vad:
+            return self._by_energy(i, pcm, float(output.get("rms", 0.0)))
+        return self._by_commit(i * FRAME, pcm)
+
+    def _by_commit(self, first: int, pcm: np.ndarray) -> list[ModelEvent]:
+        out: list[ModelEvent] = []
+        end_of_frame = first + len(pcm)
+        while self.ranges and self.ranges[0][0] < end_of_frame:
+            start, end = self.ranges[0]
+            piece = pcm[max(start - first, 0) : min(end, end_of_frame) - first]
+            if not self.started:
+                self.started = True
+                out.append(ReplyStarted())
+            if len(piece):
+                out.append(ReplyAudio(piece, SAMPLE_RATE))
+            if end > end_of_frame:
+                break
+            out.append(ReplyEnded())
+            self.ranges.popleft()
+            self.started = False
+        return out
+
+    def _by_energy(self, i: int, pcm: np.ndarray, rms: float) -> list[ModelEvent]:
+        voiced = rms >= self.VOICED_RMS
+        if not self.turn:
+            if not voiced:
+                return []
+            self.start_frame, self.voiced = i, 1
+            self.turn.append(pcm)
+            return [SpeechStarted(round(i * FRAME / SAMPLE_RATE, 3))]
+        self.turn.append(pcm)
+        if voiced:
+            self.voiced = len(self.turn)
+        quiet = len(self.turn) - self.voiced
+        if quiet < self.QUIET_FRAMES and len(self.turn) < self.MAX_TURN_FRAMES:
+            return []
+        frames, self.turn = self.turn[: self.voiced], []
+        end_s = round((self.start_frame + len(frames)) * FRAME / SAMPLE_RATE, 3)
+        return [SpeechStopped(end_s), ReplyStarted(), *(ReplyAudio(f, SAMPLE_RATE) for f in frames), ReplyEnded()]

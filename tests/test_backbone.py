@@ -137,7 +137,7 @@ async def test_finish_names_the_call_and_replay_prints_it(stack: Stack) -> None:
     call_id = final["finish"]["call_id"]
     proc = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "duplexbus.cli", "replay", call_id, "--nats-url", stack.nats_url],
+        [sys.executable, "-m", "duplexbus.cli", "replay", call_id, "--json", "--nats-url", stack.nats_url],
         capture_output=True,
         text=True,
         timeout=60,

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.clips import piper_clips
 from models.voice_assistant import TALKER_LEAD_ENV
+from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import encode_wav
 from tests.helpers import Stack, running_stack
 
@@ -137,3 +137,44 @@ async def test_page_talks_with_the_assistant(stack: Stack, tmp_path: Path) -> No
     assert audio_turns.count(1) >= 10 and audio_turns.count(2) >= 3 and audio_turns.count(3) >= 10, audio_turns
     assert stats["bargeIns"] == 1 and stats["audioCut"] >= 1, stats
     assert stats["audioPlayed"] + stats["audioCut"] == stats["audioReceived"] == len(audio_turns), stats
+
+
+async def test_page_talks_over_the_realtime_api(stack: Stack, tmp_path: Path) -> None:
+    """The same page with `?api=realtime`: the microphone goes over `WS /v1/realtime` (server VAD,
+    16 kHz in, 24 kHz replies) and the realtime events drive the same transcript and playback."""
+    wav = tmp_path / "mic.wav"
+    seconds = mic_wav(wav)
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}%noloop",
+        "--no-first-run",
+    ]
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
+        try:
+            page = await browser.new_page(viewport={"width": 900, "height": 760})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            await page.goto(stack.http_url() + "/?api=realtime")
+            await page.click("#start")
+            await page.wait_for_function("document.body.dataset.state === 'ready'", timeout=15_000)
+            timeout = int((seconds + 30) * 1000)
+            await page.wait_for_selector("#turn-1-bot[data-done='true']", timeout=timeout)
+            await page.wait_for_selector("#turn-3-bot[data-done='true']", timeout=timeout)
+            said = [await page.inner_text(f"#turn-{t}-you .text") for t in (1, 3)]
+            replies = [await page.inner_text(f"#turn-{t}-bot .text") for t in (1, 3)]
+            stats = await page.evaluate("window.duplexbus.stats")
+            await page.click("#stop")
+            await page.wait_for_function("document.body.dataset.state === 'ended'", timeout=20_000)
+            error_text = await page.inner_text("#error")
+        finally:
+            await browser.close()
+    print(f"realtime page: you said {said}; replies {replies}; stats {stats}")
+    assert not errors, errors
+    assert error_text == ""
+    assert "weather" in said[0] and "time" in said[1], said
+    assert replies == [f"You said: {t}." for t in said], replies
+    assert stats["audioPlayed"] >= 10 and stats["framesSent"] >= 0.8 * (seconds - 2) / 0.08, stats

@@ -1,13 +1,16 @@
-"""`duplexbus call` reads only the WAVs the models take as raw PCM: mono 16-bit 16 kHz."""
+"""`duplexbus call` sends mono 16-bit 16 kHz PCM: other WAVs are converted (and it says so)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clients.call import pcm_file, read_wav, reply_audio
+from shared.bus.embedded import free_port
 from shared.sdk.audio import b64_pcm16, encode_wav, pcm16_from_b64
 from tests.helpers import wav_bytes
 
@@ -21,27 +24,61 @@ def test_reads_mono_16bit_16khz(tmp_path: Path) -> None:
     assert np.array_equal(got, samples)
 
 
-def test_refuses_another_sample_rate(tmp_path: Path) -> None:
+def tone(rate: int, seconds: float, hz: float = 440.0) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (np.sin(2 * np.pi * hz * t) * 12000).astype("<i2")
+
+
+def peak_hz(samples: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(samples.astype(np.float64)))
+    return float(np.fft.rfftfreq(len(samples), 1 / rate)[int(np.argmax(spectrum))])
+
+
+def test_another_rate_is_resampled_and_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "cd.wav"
-    path.write_bytes(encode_wav(np.zeros(441, dtype="<i2"), 44100))
-    with pytest.raises(SystemExit, match="16000 Hz") as e:
-        read_wav(str(path))
-    assert "44100" in str(e.value)
+    path.write_bytes(encode_wav(tone(22050, 1.0), 22050))
+    got, rate = read_wav(str(path))
+    assert rate == 16000 and abs(len(got) - 16000) <= 2
+    assert abs(peak_hz(got, 16000) - 440.0) < 2.0  # the same tone, not sped up or slowed down
+    assert "converting 22050 Hz to 16000 Hz" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("channels", "width", "expected"), [(2, 2, "1 channel"), (1, 1, "16-bit")])
-def test_refuses_stereo_and_8bit(tmp_path: Path, channels: int, width: int, expected: str) -> None:
+def test_stereo_48k_is_downmixed_and_resampled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "st.wav"
+    path.write_bytes(wav_bytes(tone(48000, 0.5, 1000.0), 48000, channels=2))
+    got, rate = read_wav(str(path))
+    assert rate == 16000 and abs(len(got) - 8000) <= 2
+    assert abs(peak_hz(got, 16000) - 1000.0) < 4.0
+    assert np.abs(got).max() > 10000  # both channels held the tone: the mix keeps its level
+    assert "converting 2 channels to 1 and 48000 Hz to 16000 Hz" in capsys.readouterr().err
+
+
+def test_8bit_is_read_as_pcm16(tmp_path: Path) -> None:
     path = tmp_path / "x.wav"
-    path.write_bytes(wav_bytes(np.zeros(32, dtype="<i2"), 16000, channels, width))
-    with pytest.raises(SystemExit, match=expected):
-        read_wav(str(path))
+    path.write_bytes(wav_bytes(np.zeros(32, dtype="<i2"), 16000, 1, 1))
+    got, rate = read_wav(str(path))
+    assert rate == 16000 and len(got) == 32
 
 
-def test_refuses_a_file_that_is_not_wav(tmp_path: Path) -> None:
+def test_refuses_a_file_that_is_not_audio(tmp_path: Path) -> None:
     path = tmp_path / "no.wav"
     path.write_bytes(b"not a wav at all")
-    with pytest.raises(SystemExit, match="not a readable WAV"):
+    with pytest.raises(SystemExit, match="cannot read it as audio"):
         read_wav(str(path))
+
+
+def test_a_server_that_is_down_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "ok.wav"
+    path.write_bytes(encode_wav(tone(16000, 0.2), 16000))
+    out = subprocess.run(
+        [sys.executable, "-m", "duplexbus.cli", "call", str(path), "--url", f"ws://127.0.0.1:{free_port()}/generate/ws"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith("error: cannot talk to ws://127.0.0.1:") and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_appends_and_reply_audio_are_base64_pcm16() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import socket
 import subprocess
@@ -56,3 +57,26 @@ def test_nats_runs_until_sigterm_or_ctrl_c_and_stops_its_server(tmp_path: Path, 
             proc.wait()
     with socket.socket() as s:  # the server is gone with it: its port is free again
         s.bind(("127.0.0.1", port))
+
+
+def test_every_command_says_what_each_option_does_and_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from duplexbus.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    commands: dict[str, argparse.ArgumentParser] = dict(subparsers.choices)
+    assert {"up", "frontend", "conductor", "worker", "nats", "call", "eval", "replay"} <= set(commands)
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"duplexbus {name} {action.option_strings or action.dest}: no help text"
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: duplexbus {name}")
+        if any(a.default not in (None, False) and a.option_strings for a in sub._actions if a.dest != "help"):
+            assert "(default: " in " ".join(out.split()), name  # help wraps anywhere
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("duplexbus ")

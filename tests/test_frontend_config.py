@@ -15,6 +15,7 @@ import yaml
 
 from models.echo import EchoModel
 from shared.runtime.config import (
+    RealtimeConfig,
     RetentionConfig,
     ServingConfig,
     StreamConfig,
@@ -179,9 +180,9 @@ def test_every_config_key_is_documented() -> None:
     defaults = ServingConfig()
     for name in ServingConfig.__struct_fields__:
         value = getattr(defaults, name)
-        if isinstance(value, RetentionConfig):
+        if isinstance(value, RetentionConfig | RealtimeConfig):
             expected[name] = ...
-            for sub in RetentionConfig.__struct_fields__:
+            for sub in type(value).__struct_fields__:
                 expected[f"{name}.{sub}"] = getattr(value, sub)
         else:
             expected[name] = value

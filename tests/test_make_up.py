@@ -97,8 +97,10 @@ def test_make_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     time.sleep(0.5)
     assert "stopped" in out
     nats_url = next(line.split(" on ")[1].split(",")[0] for line in out.splitlines() if "nats-server (embedded)" in line)
+    nats_at = nats_url.removeprefix("nats://")  # host:port; the children's NATS_URL has credentials before it
     assert not procs_mentioning(str(run_dir)), procs_mentioning(str(run_dir))
     # every child had NATS_URL set to the embedded server: none of them is left
-    assert not procs_mentioning(f"NATS_URL={nats_url}"), procs_mentioning(nats_url)
+    assert not procs_mentioning(f"@{nats_at}"), procs_mentioning(nats_at)
     assert not listening(port)
     assert not listening(int(nats_url.rsplit(":", 1)[1]))
+    assert not (run_dir / "nats.url").exists()  # the credentials go with the server

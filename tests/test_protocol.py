@@ -45,6 +45,16 @@ def is_append_error(rid: str | None, status: int | None = None) -> Any:
     return lambda m: m.get("request_id") == rid and m.get("append") is True and status in (None, m["status"])
 
 
+def ended_input_or_after_finish(ws: WS, rid: str, m: dict[str, Any]) -> bool:
+    """An append (or end) after the input ended gets 409; after the call ended, 404. On a
+    loaded machine echo's finish can overtake a message sent right after the end of input:
+    then the finish came first on the socket, and the 404 is the right answer."""
+    if m["status"] == 409:
+        return "input has ended" in m["error"] or "already ended" in m["error"]
+    finished = any(o.get("request_id") == rid and "finish" in o for o in ws.inbox)
+    return m["status"] == 404 and finished
+
+
 async def live_call(ws: WS, rid: str, x: np.ndarray) -> None:
     """Opens `rid` and appends `x`; waits for the first output (the call runs)."""
     await ws.send({"request_id": rid})
@@ -214,7 +224,7 @@ async def test_append_after_end_of_input_or_after_the_call_gets_the_append_error
     await ws.send({"request_id": "after", "end_input": ["audio_in"]})
     for _ in range(2):
         m = await ws.until(is_append_error("after"))
-        assert m["status"] == 409 and "input has ended" in m["error"], m
+        assert ended_input_or_after_finish(ws, "after", m), m
     final = await ws.final("after")  # the call went on, without the late append
     assert "finish" in final and echo_bytes(ws.outputs("after")) == padded(x)
     await ws.send({"request_id": "after", "append": [pcm_file(x)]})
@@ -229,7 +239,8 @@ async def test_late_append_for_an_ended_stream_is_neither_charged_nor_sent(ws: W
     await live_call(ws, "late", x)
     await ws.send({"request_id": "late", "end_input": ["audio_in"]})
     await ws.send({"request_id": "late", "append": [pcm_file(samples(640), stream="audio_in")]})
-    assert (await ws.until(is_append_error("late")))["status"] == 409
+    m = await ws.until(is_append_error("late"))
+    assert m["status"] == 409 or ended_input_or_after_finish(ws, "late", m), m
     assert "finish" in await ws.final("late")
     assert echo_bytes(ws.outputs("late")) == x.tobytes()
 

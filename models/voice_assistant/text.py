@@ -1,4 +1,5 @@
-"""Reply wording, reply pieces for incremental synthesis, and word error rate."""
+"""Reply wording, reply pieces for incremental synthesis, and the words of a text for scoring
+(word error rate: `clients.eval.metrics.word_error_rate`)."""
 
 from __future__ import annotations
 
@@ -40,24 +41,3 @@ def split_pieces(text: str, max_words: int = 10) -> list[str]:
 def normalize(text: str) -> list[str]:
     """Lower-case words, punctuation dropped (apostrophes kept), for scoring."""
     return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
-
-
-def edit_distance(ref: list[str], hyp: list[str]) -> int:
-    """Word-level Levenshtein distance (substitutions + deletions + insertions)."""
-    prev = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        cur = [i] + [0] * len(hyp)
-        for j, h in enumerate(hyp, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
-        prev = cur
-    return prev[-1]
-
-
-def word_error_rate(refs: list[str], hyps: list[str]) -> tuple[float, int, int]:
-    """(WER, word errors, reference words) over paired references and hypotheses."""
-    errors = words = 0
-    for ref, hyp in zip(refs, hyps, strict=True):
-        r, h = normalize(ref), normalize(hyp)
-        errors += edit_distance(r, h)
-        words += len(r)
-    return (errors / words if words else 0.0), errors, words

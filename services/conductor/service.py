@@ -18,6 +18,7 @@ from services.conductor.retention import Janitor
 from shared.bus import subjects, wire
 from shared.bus.connection import BUCKETS, BusConnection, BusMsg, Durable, conductor_consumer
 from shared.bus.kv import Bucket, KvEntry
+from shared.runtime import healthfile
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError, BusTimeout, DuplexError
 from shared.runtime.process import TaskSet
@@ -76,6 +77,7 @@ class ConductorService:
                     tg.create_task(self._ticks()),
                     tg.create_task(self._process()),
                     tg.create_task(self._janitor()),
+                    tg.create_task(self._beat()),
                 ]
                 await stop.wait()
                 for t in tasks:
@@ -305,6 +307,14 @@ class ConductorService:
         if bucket == subjects.KV_WORKERS:
             with contextlib.suppress(DuplexError):
                 await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
+
+    async def _beat(self) -> None:
+        """The container healthcheck's sign of life: NATS answered a round trip just now."""
+        while True:
+            with contextlib.suppress(Exception):  # no answer: no beat, and the check fails
+                await self.bus.round_trip(self.config.heartbeat_s)
+                healthfile.beat()
+            await asyncio.sleep(self.config.heartbeat_s)
 
     async def _ticks(self) -> None:
         while True:

@@ -28,6 +28,7 @@ from services.frontend.protocol import (
     parse_message,
     valid_request_id,
 )
+from services.frontend.realtime.endpoint import RealtimeHub
 from services.frontend.service import Call, FrontendService, Reply, to_json
 from services.frontend.websocket import DRAIN, SEND_NOW
 from shared.runtime.config import ServingConfig
@@ -262,6 +263,11 @@ def _abort_soon(svc: FrontendService, call: Call) -> None:
 
 def create_app(config: ServingConfig, service: FrontendService | None = None) -> Starlette:
     svc = service or FrontendService(config)
+    hub = RealtimeHub(svc)
+
+    async def realtime_ws(ws: WebSocket) -> None:
+        """`WS /v1/realtime?model=NAME`: the OpenAI Realtime API (docs/realtime.md)."""
+        await hub.serve(ws)
 
     async def generate_ws(ws: WebSocket) -> None:
         await ws.accept()
@@ -364,19 +370,27 @@ def create_app(config: ServingConfig, service: FrontendService | None = None) ->
             return FileResponse(page)
         return JSONResponse({"service": "duplexbus", "ws": "/generate/ws"})
 
+    async def favicon(request: Request) -> Response:
+        # A browser asks for /favicon.ico whatever the page says: both get the one icon.
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         await svc.start()
         try:
             yield {DRAIN: svc.drain}  # the WebSocket protocol drains before it closes its socket
         finally:
+            await hub.close()
             await svc.close()
 
     routes = [
         Route("/", index),
         Route("/healthz", healthz),
+        Route("/favicon.svg", favicon),
+        Route("/favicon.ico", favicon),
         Route("/generate", generate, methods=["POST"]),
         WebSocketRoute("/generate/ws", generate_ws),
+        WebSocketRoute("/v1/realtime", realtime_ws),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.service = svc

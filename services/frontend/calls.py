@@ -188,6 +188,11 @@ class CallInput:
         return self.published[edge]
 
     # -- lifecycle -------------------------------------------------------------
+    def touch(self, now: float) -> None:
+        """Input that is not sent yet (a realtime session's held buffer) or a sign of life:
+        it resets the request timeout as input does."""
+        self.last_input = now
+
     def idle_for(self, now: float) -> float:
         """Seconds since the last input, while input is still open (the request timeout's clock)."""
         return now - self.last_input if self.state is InputState.OPEN else 0.0

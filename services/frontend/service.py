@@ -117,16 +117,27 @@ class FrontendService:
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
-        self._bus = await BusConnection.open(
-            self.config,
-            f"duplexbus-{self.frontend_id}",
-            buckets=[subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS],
-            reconnected=self._on_reconnect,
-        )
+        """Returns at once: the bus connection is made in a task of its own, and the frontend
+        is ready (healthz 200, calls taken) once it is and a conductor exists. So the HTTP
+        server answers (503, "starting") while NATS is out of reach, and a stop signal in that
+        time stops it rather than waiting on the connect."""
+        self.tasks.spawn(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            self._bus = await BusConnection.open(
+                self.config,
+                f"duplexbus-{self.frontend_id}",
+                buckets=[subjects.KV_REQUEST_IDS, subjects.KV_FRONTENDS],
+                reconnected=self._on_reconnect,
+            )
+        except BusError as e:  # refused (credentials, permissions): it stays not ready, and says why
+            log.error("frontend %s cannot use the bus: %s", self.frontend_id, e)
+            raise
         hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
         self.tasks.spawn(self.frontends.heartbeat(self.frontend_id, lambda: hb, self.config.heartbeat_s))
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
-        self.tasks.spawn(self._wait_for_conductor())
+        await self._wait_for_conductor()
 
     async def _wait_for_conductor(self) -> None:
         """Opens are only published once the conductor's durable consumer exists (it starts at
@@ -188,6 +199,11 @@ class FrontendService:
                 else {e: c.limits.max_items if c.limits else None for e, c in m.topology.client_edges().items()}
             )
         return m
+
+    def stream_limits(self, name: str) -> dict[str, int | None]:
+        """max_items per client stream of model `name`, as calls of it are bounded."""
+        self.model(name)
+        return self._limits[name]
 
     # -- calls -----------------------------------------------------------------
     async def open_call(self, o: Opening, sink: Sink, owner: object, on_end: Callable[[Call], None] | None = None) -> Call:

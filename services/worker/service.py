@@ -26,7 +26,7 @@ from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
 from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import DuplexError, Overloaded, WorkerFailed
+from shared.runtime.errors import ConfigError, DuplexError, Overloaded, WorkerFailed
 from shared.runtime.process import TaskSet
 from shared.runtime.stats import Reservoir
 from shared.sdk.model import StepInput
@@ -72,7 +72,7 @@ class WorkerService:
         self.partitions = partitions or list(topo.partitions)
         for p in self.partitions:
             if p not in topo.partitions:
-                raise ValueError(f"model {model!r} has no partition {p!r}; it has {topo.partitions}")
+                raise ConfigError("partition", f"model {model!r} has no partition {p!r}; it has {', '.join(topo.partitions)}")
         self.worker_id = worker_id or subjects.new_process_id("worker")
         self.runners: dict[str, _Runner] = {}
         for p in self.partitions:

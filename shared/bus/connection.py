@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import nats
+from nats import micro
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -34,6 +37,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.bus import subjects
 from shared.bus.failures import Denials, mapped
+from shared.bus.history import Stored, read_history
 from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
@@ -89,6 +93,19 @@ def conductor_consumer() -> ConsumerConfig:
     )
 
 
+def redacted(urls: str | None) -> str:
+    """NATS URL(s) without passwords, for messages and logs."""
+    out = []
+    for url in (urls or "").split(","):
+        parts = urlsplit(url)
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+            url = parts._replace(netloc=netloc).geturl()
+        out.append(url)
+    return ",".join(out)
+
+
 def _connect_options(config: ServingConfig, name: str) -> dict[str, Any]:
     if not config.nats_url:
         raise BusUnavailable("connecting", "no NATS URL: set NATS_URL or nats_url in the config")
@@ -123,6 +140,30 @@ class Durable:
                 return list(await self._sub.fetch(batch, timeout=timeout))
         except BusTimeout:
             return []
+
+
+def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[micro.Request], Awaitable[None]]:
+    async def on_request(req: micro.Request) -> None:
+        try:
+            await req.respond(await handler(req.data))
+        except Exception as e:  # answered as a service error, as nats micro clients expect
+            log.exception("answering %s failed", req.subject)
+            await req.respond_error("500", str(e))
+
+    return on_request
+
+
+class Announcement:
+    """A process's entry in NATS service discovery; `stop()` takes it out."""
+
+    def __init__(self, svc: Any) -> None:
+        self._svc = svc
+
+    async def stop(self) -> None:
+        try:
+            await self._svc.stop()
+        except Exception as e:  # the connection may be closing: the entry goes with it
+            log.debug("stopping service discovery: %r", e)
 
 
 class BusConnection:
@@ -160,17 +201,17 @@ class BusConnection:
             if "permissions violation" in str(e).lower():
                 denials.saw(str(e).removeprefix("nats: "))
                 log.error("NATS refused an operation: %s", e)
-            else:
+            elif connect_timeout is None:  # a service: say so; a CLI command says it once, on failing
                 log.warning("NATS: %s", e or type(e).__name__)
 
         opts["error_cb"] = on_error
         if reconnected is not None:
             opts["reconnected_cb"] = reconnected
-        with mapped(f"connecting to {config.nats_url}", denials):
+        with mapped(f"connecting to {redacted(config.nats_url)}", denials):
             if connect_timeout is None:
                 nc = await nats.connect(**opts)
-            else:
-                opts.update(allow_reconnect=False, connect_timeout=min(2.0, connect_timeout))
+            else:  # one try at each server
+                opts.update(allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=min(2.0, connect_timeout))
                 nc = await asyncio.wait_for(nats.connect(**opts), connect_timeout)
         conn = cls(nc, config, denials)
         try:
@@ -242,6 +283,10 @@ class BusConnection:
     @property
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
+
+    async def round_trip(self, timeout: float) -> None:
+        """A PING the server answers within `timeout` (whole seconds, at least 1): it works now."""
+        await self._nc.flush(timeout=max(1, math.ceil(timeout)))
 
     async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """A core publish (the stream stores it all the same, with no round trip)."""
@@ -353,6 +398,28 @@ class BusConnection:
                     await self._js.delete_consumer(subjects.STREAM, info.name)
             except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
                 log.debug("deleting a read's consumer: %s", e)
+
+    def history(self, filters: list[str], *, follow: bool = False, since: float | None = None) -> AsyncGenerator[Stored, None]:
+        """What the stream holds on `filters` with its timestamps, oldest first, read fast (a
+        push consumer: see history.py); with `follow`, then what it stores next."""
+        return read_history(self._nc, self._js, self.payloads, self._denials, filters, follow, since)
+
+    # -- service discovery -----------------------------------------------------
+    async def announce(
+        self,
+        name: str,
+        version: str,
+        description: str,
+        metadata: dict[str, str],
+        endpoints: dict[str, tuple[str, Callable[[bytes], Awaitable[bytes]]]],
+    ) -> Announcement:
+        """Answer NATS service discovery (`$SRV.PING/INFO/STATS`, so `nats micro ls` lists this
+        process) with `endpoints`: endpoint name -> (subject, handler of a request's body)."""
+        with mapped(f"announcing {name}", self._denials):
+            svc = await micro.add_service(self._nc, name=name, version=version, description=description, metadata=metadata)
+            for ep, (subject, handler) in endpoints.items():
+                await svc.add_endpoint(name=ep, subject=subject, handler=_micro_handler(handler))
+        return Announcement(svc)
 
     # -- retention -------------------------------------------------------------
     async def stream_bytes(self) -> int:

@@ -6,6 +6,8 @@ Used by `duplexbus up` and as the test suite's fixture. `NATS_URL` overrides it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -16,6 +18,22 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
+
+from shared.runtime.errors import DuplexError
+from shared.runtime.process import die_with_parent
+
+LOCK_FILE = "duplexbus.lock"  # in the store directory: held by the nats-server that uses it
+
+
+class StoreInUse(DuplexError):
+    """Another live nats-server holds the store directory (two servers must never write one store)."""
+
+    def __init__(self, store_dir: Path, holder: str) -> None:
+        super().__init__(
+            f"the NATS store {store_dir} is in use by another nats-server ({holder}): stop that one first, "
+            "or give this one another directory (--run-dir)"
+        )
 
 
 def find_nats_server() -> str:
@@ -45,19 +63,35 @@ class NatsServer:
         port: int | None = None,
         host: str = "127.0.0.1",
         log_file: str | Path | None = None,
+        monitor_port: int | None = None,
+        credentials: tuple[str, str] | None = None,
     ) -> None:
+        """`credentials` (user, password): clients must give them (`client_url` carries them);
+        without, anyone who reaches the port may connect."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
-        self.monitor_port = free_port(host)
+        self.monitor_port = monitor_port or free_port(host)
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.credentials = credentials
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        """Where it listens (no credentials: for logs and messages)."""
         return f"nats://{self.host}:{self.port}"
 
+    @property
+    def client_url(self) -> str:
+        """The URL a client connects with, credentials included where the server wants them."""
+        if self.credentials is None:
+            return self.url
+        user, password = (quote(c, safe="") for c in self.credentials)
+        return f"nats://{user}:{password}@{self.host}:{self.port}"
+
     def start(self, timeout: float = 20.0) -> NatsServer:
+        """Start it on its store, which it then holds (StoreInUse where another one does).
+        It dies with the process that started it, should that one be killed."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             find_nats_server(),
@@ -68,10 +102,42 @@ class NatsServer:
             "-sd", str(self.store_dir),
             "-l", str(self.log_file),
         ]  # fmt: skip
-        # Own process group: Ctrl-C in a terminal goes to our supervisor, which stops it last.
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.credentials is not None:
+            cmd += ["-c", str(self._write_auth_config())]
+        lock = self._lock_store()
+        try:
+            # Own process group: Ctrl-C in a terminal goes to our supervisor, which stops it last.
+            # The lock's descriptor goes with it: the store stays held while this server lives.
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(lock,), preexec_fn=die_with_parent
+            )
+            os.ftruncate(lock, 0)
+            os.pwrite(lock, f"pid {self.proc.pid}".encode(), 0)
+        finally:
+            os.close(lock)
         self.wait_ready(timeout)
         return self
+
+    def _lock_store(self) -> int:
+        fd = os.open(self.store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "pid unknown"
+            os.close(fd)
+            raise StoreInUse(self.store_dir, holder) from None
+        return fd
+
+    def _write_auth_config(self) -> Path:
+        """The server's accounts, readable by this user alone (a password on the command line
+        would be readable by every local user in the process list)."""
+        assert self.credentials is not None
+        user, password = self.credentials
+        path = self.store_dir / "auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"authorization {{\n  user: {json.dumps(user)}\n  password: {json.dumps(password)}\n}}\n")
+        return path
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -100,6 +166,10 @@ class NatsServer:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+    def exited(self) -> int | None:
+        """Its exit status once it has exited (reaped, so it leaves no zombie), else None."""
+        return None if self.proc is None else self.proc.poll()
 
     def __enter__(self) -> NatsServer:
         return self.start()

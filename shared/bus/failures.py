@@ -62,6 +62,8 @@ def translate(e: BaseException, doing: str, denials: Denials | None = None) -> B
         if denied is not None:
             return BusDenied(doing, f"no answer after the server said {denied!r}")
         return BusTimeout(doing, "no answer in time")
+    if isinstance(e, nerr.NoServersError):
+        return BusUnavailable(doing, "no server answered")
     if isinstance(e, nerr.Error):
         if "permissions violation" in str(e).lower():
             return BusDenied(doing, _text(e))

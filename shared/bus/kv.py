@@ -19,6 +19,7 @@ from nats.js.errors import APIError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KV_OP, KV_PURGE, MSG_ROLLUP_SUBJECT, KeyValue
 
 from shared.bus.failures import Denials, mapped
+from shared.runtime import healthfile
 from shared.runtime.errors import BusError, BusNotFound
 from shared.runtime.process import every
 
@@ -138,6 +139,7 @@ class Bucket:
 
         async def beat() -> None:
             await self.put(key, payload())
+            healthfile.beat()  # stored: the conductor sees this process alive, and so may a healthcheck
 
         await every(period, beat, f"heartbeat {self.name}/{key}")
 

@@ -30,6 +30,7 @@ DONE = "done"
 FIN = "fin"
 ABORT = "abort"
 PLACED = "placed"
+REALTIME = "rt"
 
 _PREFIX = "call"
 
@@ -40,6 +41,11 @@ def new_cid() -> str:
     Never the client's request_id, which can be reused and may contain anything.
     """
     return f"{int(time.time() * 1000):012x}{secrets.token_hex(6)}"
+
+
+def is_cid(text: str) -> bool:
+    """Whether `text` has the form of a cid (new_cid's 24 hex digits)."""
+    return len(text) == 24 and all(c in "0123456789abcdef" for c in text)
 
 
 def new_process_id(kind: str) -> str:
@@ -93,9 +99,20 @@ def placed(cid: str, worker_id: str) -> str:
     return f"{_PREFIX}.{cid}.{PLACED}.{worker_id}"
 
 
+def realtime(cid: str) -> str:
+    """The realtime events a `/v1/realtime` session sent its client, in order: what a
+    resuming client missed is read back from here (and a replay shows them)."""
+    return f"{_PREFIX}.{cid}.{REALTIME}"
+
+
 def call_all(cid: str) -> str:
     """Every subject of one call (replay)."""
     return f"{_PREFIX}.{cid}.>"
+
+
+def all_opens() -> str:
+    """The open of every call: each carries its request_id (replay's request_id lookup)."""
+    return f"{_PREFIX}.*.{OPEN}"
 
 
 def assign(worker_id: str) -> str:
@@ -109,7 +126,7 @@ def worker_stats(worker_id: str) -> str:
 
 # What the conductor consumes: O(1) messages per call, never data subjects (I-1).
 CONDUCTOR_FILTERS = [
-    f"{_PREFIX}.*.{OPEN}",
+    all_opens(),
     f"{_PREFIX}.*.{EOI}.*",
     f"{_PREFIX}.*.{DONE}.*",
     f"{_PREFIX}.*.{ABORT}",

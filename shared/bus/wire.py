@@ -185,6 +185,13 @@ class Placed(Msg, tag="placed"):
     partitions: list[str]
 
 
+class RealtimeEvent(Msg, tag="rt"):
+    """call.{cid}.rt: the n-th realtime server event of the session, as its JSON text."""
+
+    n: int
+    json: bytes
+
+
 AnyMsg = (
     Open
     | InputItem
@@ -196,6 +203,7 @@ AnyMsg = (
     | Fin
     | Abort
     | Placed
+    | RealtimeEvent
     | Assign
     | AssignReply
     | WorkerHeartbeat

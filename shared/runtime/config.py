@@ -30,6 +30,11 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True):
         return self.hard_max_bytes if self.hard_max_bytes is not None else 2 * self.max_bytes
 
 
+class RealtimeConfig(msgspec.Struct, forbid_unknown_fields=True):
+    resume_grace_s: float = 30.0  # a dropped /v1/realtime socket may resume its session this long
+    response_wait_s: float = 10.0  # a response made by response.create waits this long for the model's reply
+
+
 class TLSConfig(msgspec.Struct, forbid_unknown_fields=True):
     ca_file: str | None = None
     cert_file: str | None = None
@@ -59,6 +64,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
     shutdown_drain_s: float = 10.0  # a stopping frontend or worker lets live calls end this long
+    realtime: RealtimeConfig = msgspec.field(default_factory=RealtimeConfig)
 
     def __post_init__(self) -> None:
         positive = {
@@ -77,6 +83,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "retention.max_age_s": self.retention.max_age_s,
             "retention.max_bytes": self.retention.max_bytes,
             "retention.replicas": self.retention.replicas,
+            "realtime.response_wait_s": self.realtime.response_wait_s,
         }
         for key, value in positive.items():
             if value <= 0:
@@ -84,6 +91,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         hard, soft = self.retention.hard_max_bytes, self.retention.max_bytes
         if hard is not None and hard < soft:
             raise ConfigError("retention.hard_max_bytes", f"must be >= retention.max_bytes ({soft}), got {hard}")
+        if self.realtime.resume_grace_s < 0:
+            raise ConfigError("realtime.resume_grace_s", "must be >= 0")
         if self.step_window_ms < 0:
             raise ConfigError("step_window_ms", "must be >= 0")
         if self.max_queued_requests < 0:
@@ -158,8 +167,13 @@ def parse_config(data: dict[str, Any] | None) -> ServingConfig:
         raise ConfigError(_key_of(e), _reason(e)) from None
 
 
+# Keys the environment sets over the config file (a container changes them without a new file).
+ENV_OVERRIDES = {"nats_url": "NATS_URL", "model": "DUPLEXBUS_MODEL"}
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
-    """Config from `path` (or $DUPLEXBUS_CONFIG), then $NATS_URL, then explicit overrides."""
+    """Config from `path` (or $DUPLEXBUS_CONFIG), then the environment (ENV_OVERRIDES), then
+    explicit overrides."""
     path = path or os.environ.get("DUPLEXBUS_CONFIG")
     data: dict[str, Any] = {}
     if path:
@@ -170,7 +184,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("config", f"{path} must hold a mapping")
         data = loaded or {}
-    if os.environ.get("NATS_URL"):
-        data["nats_url"] = os.environ["NATS_URL"]
+    for key, env in ENV_OVERRIDES.items():
+        if os.environ.get(env):
+            data[key] = os.environ[env]
     data.update({k: v for k, v in overrides.items() if v is not None})
     return parse_config(data)

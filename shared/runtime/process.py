@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -16,11 +17,45 @@ from shared.runtime.errors import BusError
 log = logging.getLogger(__name__)
 
 
-def setup_logging(name: str) -> None:
-    logging.basicConfig(
-        level=os.environ.get("DUPLEXBUS_LOG", "INFO").upper(),
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec (`preexec_fn`): the kernel sends it SIGTERM when the
+    process that started it dies, even by SIGKILL, so no child outlives its supervisor."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such call, nothing to do
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+LOG_FORMATS = ("text", "json")
+
+
+def setup_logging(role: str, fmt: str | None = None) -> None:
+    """Logs on stderr at $DUPLEXBUS_LOG (INFO), as text or, with `fmt="json"` (or
+    $DUPLEXBUS_LOG_FORMAT=json), one JSON object a line: time, level, role, logger, message
+    and the fields of `event()` lines (cid, request_id, status, ...), for a log pipeline."""
+    fmt = fmt or os.environ.get("DUPLEXBUS_LOG_FORMAT", "text")
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"levelname": "level", "name": "logger", "asctime": "time"},
+                static_fields={"role": role},
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=os.environ.get("DUPLEXBUS_LOG", "INFO").upper(), handlers=[handler], force=True)
+
+
+def event(logger: logging.Logger, what: str, **fields: object) -> None:
+    """One INFO line about a call (opened, placed, finished): `what k=v ...` as text, and the
+    fields as their own keys in JSON logs."""
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    logger.info("%s %s", what, text, extra={"event": what, **fields})
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:
@@ -43,6 +78,34 @@ async def every(period: float, fn: Callable[[], Awaitable[None]], what: str) -> 
         except Exception:
             log.exception("%s failed", what)
         await asyncio.sleep(max(0.0, period - (time.monotonic() - start)))
+
+
+STOP_GRACE_S = 5.0  # past a service's own drain: how long a stop may take before it is cut short
+
+
+async def run_until_stopped(run: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event, grace_s: float) -> None:
+    """Run `run(stop)` to its end. Once `stop` is set it has `grace_s` to finish on its own
+    (drain, close); past that it is cancelled, and a service that does not end even then (a
+    step stuck in a thread) ends the process: a stop signal always stops a service, NATS
+    reachable or not."""
+    task = asyncio.ensure_future(run(stop))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            await asyncio.wait({task}, timeout=grace_s)
+        if not task.done():
+            log.warning("still stopping %.0f s after the signal: cutting it short", grace_s)
+            task.cancel()
+            await asyncio.wait({task}, timeout=STOP_GRACE_S)
+        if not task.done():
+            log.error("did not stop when cancelled: exiting")
+            logging.shutdown()
+            os._exit(1)
+    finally:
+        stopped.cancel()
+    if not task.cancelled():
+        task.result()  # a service that failed ends the process with its error
 
 
 def tune_gc() -> None:

@@ -18,6 +18,7 @@ import numpy as np
 from shared.runtime.errors import BadRequest
 from shared.sdk.audio import decode_audio_file
 from shared.sdk.chunking import Chunk, Item
+from shared.sdk.realtime import RealtimeMapping
 from shared.sdk.topology import Connection, PartitionTopology
 
 
@@ -157,6 +158,12 @@ class Model(ABC):
         result: dict[str, StreamInput] = {e: (a[0] if len(a) == 1 else np.concatenate(a)) for e, a in out.items()}
         result.update(items)
         return result
+
+    def realtime_mapping(self) -> RealtimeMapping | None:
+        """Optional: a fresh `RealtimeMapping` per `WS /v1/realtime` session, saying how this
+        model's outputs become realtime events (shared/sdk/realtime.py). None (the default):
+        the model is not served over `/v1/realtime`."""
+        return None
 
     @abstractmethod
     def create_partition(self, name: str) -> Partition: ...

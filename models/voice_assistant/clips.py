@@ -1,5 +1,5 @@
-"""Spoken test clips: sentences said by piper, the same on every run. Used by the voice
-benchmarks and the voice tests (tests import bench, never the other way round)."""
+"""Spoken clips: sentences said by the model's own piper voice, the same on every run. Used
+by `duplexbus eval --synthesize`, the voice benchmarks and the voice tests."""
 
 from __future__ import annotations
 

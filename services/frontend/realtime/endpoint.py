@@ -1,0 +1,449 @@
+"""`WS /v1/realtime?model=NAME`: the shell around the pure session (session.py).
+
+One socket, one session, one live call opened through the frontend's own call machinery
+(`FrontendService.open_call` / `append` / `end_input` / `abort`), so admission, limits and
+timeouts are those of `/generate/ws`. Every server event is also stored in the stream
+(`call.{cid}.rt`, `EventLog`): a client whose socket dropped comes back within
+`realtime.resume_grace_s` with `session.resume` and gets every event it missed read back
+from there, then the live ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from services.frontend.protocol import Append, EndInput, Opening
+from services.frontend.realtime import events as ev
+from services.frontend.realtime.session import (
+    Close,
+    Limits,
+    Out,
+    RealtimeSession,
+    SendAudio,
+    SendText,
+    SessionState,
+    event_number,
+)
+from services.frontend.realtime.session import EndInput as EndInputAction
+from services.frontend.service import Call, FrontendService, Reply, to_json
+from services.frontend.websocket import SEND_NOW
+from shared.bus import subjects, wire
+from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded, Overloaded
+from shared.sdk.model import ClientFile, ClientInput, Model
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.25  # how often waiting responses are checked against their deadline
+RESUME_READ_S = 5.0  # how long a resume waits for the stream to hold every event it must send
+SEND_QUEUE = 8192  # under an ASGI server without the frontend's protocol: events waiting for the socket
+_decode_reply = msgspec.json.Decoder().decode
+
+
+def standalone_error(code: str, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    """An error for a socket that has no session (refused at connect)."""
+    body = {"type": kind, "code": code, "message": message, "param": None, "event_id": None}
+    return {"event_id": f"event_{secrets.token_hex(4)}_1", "type": "error", "error": body}
+
+
+class EventLog:
+    """The session's events in the stream, in order: published from one task (the sink that
+    emits them cannot await), read back on resume. The only bus code of the endpoint."""
+
+    def __init__(self, svc: FrontendService, cid: str) -> None:
+        self.svc = svc
+        self.subject = subjects.realtime(cid)
+        self._queue: deque[bytes] = deque()
+        self._ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def put(self, n: int, event_json: bytes) -> None:
+        self._queue.append(wire.encode(wire.RealtimeEvent(n=n, json=event_json)))
+        self._idle.clear()
+        self._ready.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._queue:
+                body = self._queue.popleft()
+                try:
+                    await self.svc.bus.publish(self.subject, body)
+                except Exception:
+                    log.exception("storing a realtime event failed")
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """Until every event put so far has been handed to the connection (the stream stores
+        it a moment later: a resume reads until it has them all)."""
+        await self._idle.wait()
+
+    async def read(self, after: int) -> AsyncIterator[tuple[int, bytes, int]]:
+        """(n, event JSON, stream seq) of what the stream holds after stream seq `after`."""
+        async for _, body, seq in self.svc.bus.read_stored([self.subject], after=after):
+            msg = wire.decode_as(body, wire.RealtimeEvent)
+            yield msg.n, msg.json, seq
+
+
+class Outbox:
+    """Sends to one socket without awaiting: the frontend protocol's direct send, or (under
+    another ASGI server) a bounded queue and a writer task."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+        self.send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue(SEND_QUEUE)
+        self.writer = None if self.send_now is not None else asyncio.get_running_loop().create_task(self._write())
+
+    def send(self, data: bytes) -> None:
+        if self.send_now is not None:
+            with contextlib.suppress(OSError):  # gone: the receive loop sees the disconnect
+                self.send_now(data)
+            return
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(data)
+
+    async def _write(self) -> None:
+        while True:
+            data = await self.queue.get()
+            await self.ws.send_text(data.decode())
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        if self.writer is not None:
+            while not self.queue.empty() and not self.writer.done():
+                await asyncio.sleep(0.01)
+            self.writer.cancel()
+            with contextlib.suppress(BaseException):
+                await self.writer
+        with contextlib.suppress(Exception):
+            await self.ws.close(code, reason)
+
+
+class LiveSession:
+    """One session's I/O: its call, its socket (none while detached) and its event log."""
+
+    def __init__(self, hub: RealtimeHub, model_name: str, model: Model, core: RealtimeSession, rid: str) -> None:
+        self.hub = hub
+        self.svc = hub.svc
+        self.model_name = model_name
+        self.model = model
+        self.core = core
+        self.rid = rid
+        self.call: Call | None = None
+        self.log: EventLog | None = None
+        self.outbox: Outbox | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.expiry: asyncio.TimerHandle | None = None
+        self.closed = asyncio.Event()  # the session is over (socket to be closed)
+        self.close_code = (1000, "")
+
+    # -- the call ------------------------------------------------------------------------
+    async def open(self) -> None:
+        call = await self.svc.open_call(Opening(self.rid, self.model_name, ClientInput()), self.sink, self)
+        self.call = call
+        self.log = EventLog(self.svc, call.cid)
+        self._spawn(self.log.run())
+        self._spawn(self._ticks())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def sink(self, reply: Reply) -> None:
+        """The call's messages (relayed outputs, its finish or error), from the service."""
+        msg = reply if isinstance(reply, dict) else _decode_reply(reply)
+        now = time.monotonic()
+        if "output" in msg:
+            out = msg["output"]
+            self.deliver(self.core.on_output(out, now) if isinstance(out, dict) else Out())
+        elif "finish" in msg:
+            self.deliver(self.core.call_ended(200, "completed"))
+        elif "error" in msg and not msg.get("append"):
+            self.deliver(self.core.call_ended(int(msg.get("status", 500)), str(msg["error"])))
+
+    def deliver(self, out: Out) -> None:
+        """Events to the log and the socket (if one is attached); a Close ends the session."""
+        for e in out.events:
+            data = to_json(e)
+            n = event_number(e["event_id"])
+            if self.log is not None and n is not None:
+                self.log.put(n, data)
+            if self.outbox is not None:
+                self.outbox.send(data)
+        for a in out.actions:
+            if isinstance(a, Close):
+                self.close_code = (a.code, a.reason)
+                self.closed.set()
+
+    async def act(self, out: Out) -> None:
+        """A client event's outcome: its events, then its call actions, in order."""
+        self.deliver(out)
+        call = self.call
+        for a in out.actions:
+            if call is None or isinstance(a, Close):
+                continue
+            try:
+                if isinstance(a, SendAudio):
+                    data = a.pcm.astype("<i2", copy=False).tobytes()
+                    await self.svc.append(call, Append(self.rid, ClientInput(files=[ClientFile("a.pcm", data)])))
+                elif isinstance(a, SendText):
+                    await self.svc.append(call, Append(self.rid, ClientInput(text=a.text)))
+                elif isinstance(a, EndInputAction):
+                    await self.svc.end_input(call, EndInput(self.rid, True))
+            except LimitExceeded as e:
+                eid = a.event_id if isinstance(a, SendAudio | SendText) else None
+                self.deliver(self.core.error("limit_exceeded", e.message, e.limit, eid))
+            except DuplexError as e:
+                eid = a.event_id if isinstance(a, SendAudio | SendText) else None
+                self.deliver(self.core.error("invalid_value", e.message, None, eid))
+
+    async def _ticks(self) -> None:
+        while self.core.state is not SessionState.CLOSED:
+            await asyncio.sleep(TICK_S)
+            self.deliver(self.core.tick(time.monotonic()))
+
+    async def handle(self, data: str | bytes) -> None:
+        if len(data) > self.svc.config.max_message_bytes:
+            limit = self.svc.config.max_message_bytes
+            self.deliver(self.core.error("invalid_value", f"max_message_mb: an event of {len(data)} bytes is over {limit}"))
+            return
+        try:
+            event = ev.parse_event(data)
+        except ev.ClientError as e:
+            self.deliver(self.core.refused(e))
+            return
+        if self.call is not None:
+            self.call.input.touch(time.monotonic())
+        await self.act(self.core.handle(event, time.monotonic()))
+
+    # -- sockets -------------------------------------------------------------------------
+    def attach(self, outbox: Outbox) -> None:
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+        self.outbox = outbox
+
+    def detach(self) -> None:
+        """The socket dropped: keep the call for the grace period, then end it."""
+        self.outbox = None
+        grace = self.svc.config.realtime.resume_grace_s
+        self.hub.detached[self.core.resume_token] = self
+        self.expiry = asyncio.get_running_loop().call_later(grace, lambda: self.hub.spawn(self.end("resume grace period over")))
+
+    async def end(self, reason: str) -> None:
+        """The session is over without a goodbye: abort its call (frees its slot) and stop."""
+        self.hub.detached.pop(self.core.resume_token, None)
+        if self.expiry is not None:
+            self.expiry.cancel()
+        if self.call is not None and not self.call.ended.is_set():
+            await self.svc.abort(self.call, reason, 499)
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self.log is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.log.drain(), 2.0)
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def replay(self, outbox: Outbox, last_seen: int) -> None:
+        """Send what the client missed (events after `last_seen`) from the stream, then attach:
+        the check that all were sent and the attach happen with no await in between."""
+        assert self.log is not None
+        after, sent = 0, last_seen
+        deadline = time.monotonic() + RESUME_READ_S
+        while True:
+            await self.log.drain()
+            async for n, data, seq in self.log.read(after):
+                after = seq
+                if n == sent + 1:
+                    outbox.send(data)
+                    sent = n
+            if sent >= self.core.n:
+                self.attach(outbox)
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the stream holds events up to {sent} of {self.core.n}")
+            await asyncio.sleep(0.05)
+
+
+class RealtimeHub:
+    """The frontend's realtime sessions: connect, resume, and sessions waiting to be resumed."""
+
+    def __init__(self, svc: FrontendService) -> None:
+        self.svc = svc
+        self.detached: dict[str, LiveSession] = {}
+        self.attached: dict[str, LiveSession] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for s in list(self.detached.values()):
+            await s.end("the frontend is stopping")
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _session(self, name: str, model: Model) -> LiveSession:
+        mapping = model.realtime_mapping()
+        assert mapping is not None
+        conn = model.client_edges()[model.default_stream() or ""]
+        limits = conn.limits
+        assert limits is not None and limits.sample_rate and limits.item_size
+        cfg = self.svc.config
+        caps = [cfg.max_call_input_bytes // 2]
+        max_items = self.svc.stream_limits(name).get(conn.edge_name)
+        if max_items is not None:
+            caps.append(max_items * limits.item_size)
+        sid = secrets.token_hex(6)
+        core = RealtimeSession(
+            sid,
+            name,
+            mapping,
+            Limits(
+                limits.sample_rate, limits.item_size, min(caps), cfg.realtime.response_wait_s, model.text_stream() is not None
+            ),
+            secrets.token_urlsafe(24),
+        )
+        return LiveSession(self, name, model, core, f"rt-{sid}")
+
+    async def serve(self, ws: WebSocket) -> None:
+        """One socket from accept to close."""
+        await ws.accept()
+        outbox = Outbox(ws)
+        name = ws.query_params.get("model") or self.svc.default_model
+        try:
+            model = self.svc.model(name)
+            if model.realtime_mapping() is None or model.default_stream() is None:
+                raise BadRequest(f"model {name!r} is not served over /v1/realtime")
+        except BadRequest as e:
+            outbox.send(to_json(standalone_error("model_not_found", e.message)))
+            await outbox.close(1008, "model")
+            return
+        session: LiveSession | None = self._session(name, model)
+        assert session is not None
+        try:
+            await session.open()
+        except Overloaded as e:  # the frontend is starting or stopping (the conductor's cap comes later, as a 503)
+            outbox.send(to_json(standalone_error("server_busy", e.message, "server_error")))
+            await outbox.close(1013, "try again later")
+            return
+        except DuplexError as e:
+            outbox.send(to_json(standalone_error("server_error", e.message, "server_error")))
+            await outbox.close(1011, "open failed")
+            return
+        session.attach(outbox)
+        self.attached[session.core.resume_token] = session
+        session.deliver(session.core.created())
+        await self._run(ws, outbox, session)
+
+    async def resume(self, outbox: Outbox, event: ev.ClientEvent, fresh: LiveSession | None) -> LiveSession | None:
+        """`session.resume`: the session named by its token takes this socket, and the fresh
+        session this socket had opened (if any) is ended. An unknown token: an error, and
+        the fresh session goes on."""
+        assert isinstance(event.action, ev.Resume)
+        token, last = event.action.token, event.action.last_event_id
+        old = self.detached.get(token) or self.attached.get(token)
+        seen = event_number(last) if last else 0
+        if old is None or old is fresh or seen is None or seen > old.core.n:
+            unknown = old is None or old is fresh
+            why = "no session to resume with this token (expired, ended or unknown)" if unknown else "unknown last_event_id"
+            code, param = ("invalid_resume_token", "resume_token") if unknown else ("invalid_value", "last_event_id")
+            err = ev.ClientError(code, why, param, event.event_id)
+            if fresh is None:
+                outbox.send(to_json(standalone_error(code, why)))
+                await outbox.close(1008, "resume")
+                return None
+            fresh.deliver(fresh.core.refused(err))
+            return fresh
+        if fresh is not None:
+            self.attached.pop(fresh.core.resume_token, None)
+            await fresh.end("replaced by a resumed session")
+        if old.outbox is not None:  # its old socket has not noticed yet: this one takes over
+            previous = old.outbox
+            old.outbox = None
+            self.spawn(previous.close(4000, "resumed on another socket"))
+        self.detached.pop(token, None)
+        self.attached[token] = old
+        try:
+            await old.replay(outbox, seen)
+        except Exception as e:
+            log.exception("resuming a realtime session failed")
+            outbox.send(to_json(standalone_error("server_error", f"resume failed: {e}", "server_error")))
+            old.detach()
+            await outbox.close(1011, "resume failed")
+            return None
+        return old
+
+    async def _run(self, ws: WebSocket, outbox: Outbox, session: LiveSession) -> None:
+        first = True
+        code = 1006
+        waiter = asyncio.get_running_loop().create_task(session.closed.wait())
+        try:
+            while True:
+                receive = asyncio.get_running_loop().create_task(ws.receive())
+                done, _ = await asyncio.wait({receive, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if receive not in done:
+                    receive.cancel()
+                    with contextlib.suppress(BaseException):
+                        await receive
+                    break
+                msg = receive.result()
+                if msg["type"] == "websocket.disconnect":
+                    code = int(msg.get("code") or 1006)
+                    break
+                data = msg.get("text")
+                if data is None:
+                    data = msg.get("bytes") or b""
+                if first:
+                    first = False
+                    with contextlib.suppress(ev.ClientError):
+                        event = ev.parse_event(data)
+                        if isinstance(event.action, ev.Resume):
+                            resumed = await self.resume(outbox, event, session)
+                            if resumed is None:
+                                return
+                            if resumed is not session:
+                                session = resumed
+                                waiter.cancel()
+                                waiter = asyncio.get_running_loop().create_task(session.closed.wait())
+                            continue
+                if session.outbox is not outbox:
+                    return  # another socket resumed this session
+                await session.handle(data)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            waiter.cancel()
+            await self._left(session, outbox, code)
+
+    async def _left(self, session: LiveSession, outbox: Outbox, code: int) -> None:
+        if session.outbox is not outbox and session.outbox is not None:
+            return  # taken over by a resumed socket
+        if session.closed.is_set() or session.core.state is SessionState.CLOSED:
+            self.attached.pop(session.core.resume_token, None)
+            await session.stop()
+            await outbox.close(*session.close_code)
+            return
+        self.attached.pop(session.core.resume_token, None)
+        if code in (1000, 1001) or self.svc.config.realtime.resume_grace_s <= 0:
+            await session.end("socket closed")
+            return
+        session.detach()

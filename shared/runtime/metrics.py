@@ -1,0 +1,82 @@
+"""Prometheus metrics of each service, on a registry of its own (prometheus-client).
+
+A frontend serves them at `/metrics` on its HTTP port; a worker and the conductor on their
+health port (shared.runtime.health). Names are `duplexbus_<role>_...`; every metric a
+role has is created at start, so a scrape sees it (at zero) before the first call.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: from sub-millisecond (a data path on one machine) to a stalled call.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class FrontendMetrics(Metrics):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.calls = Counter(
+            "duplexbus_frontend_calls", "Calls that ended, by outcome and status", ["outcome", "status"], registry=r
+        )
+        self.live_calls = Gauge("duplexbus_frontend_live_calls", "Calls open on this frontend now", registry=r)
+        self.refusals = Counter(
+            "duplexbus_frontend_admission_refusals", "Openings refused before a call started, by status", ["status"], registry=r
+        )
+        self.appends = Counter("duplexbus_frontend_appends", "Client stream items published", registry=r)
+        self.reply_lag = Histogram(
+            "duplexbus_frontend_reply_lag_seconds",
+            "A model output's time from the worker publishing it to the frontend handing it to the client",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.sockets = Gauge("duplexbus_frontend_sockets", "Client connections open now", registry=r)
+        self.socket_queue = Gauge(
+            "duplexbus_frontend_socket_queue_depth", "Server-to-client messages waiting, over all sockets", registry=r
+        )
+
+
+class WorkerMetrics(Metrics):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.batch_size = Histogram(
+            "duplexbus_worker_batch_size",
+            "Calls in one step, per partition",
+            ["partition"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "duplexbus_worker_step_seconds", "Time of one step, per partition", ["partition"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.live_calls = Gauge("duplexbus_worker_live_calls", "Calls this worker holds now", registry=r)
+        self.catch_up_reads = Counter(
+            "duplexbus_worker_catch_up_reads", "Reads of a call's input from the stream, by why", ["reason"], registry=r
+        )
+
+
+class ConductorMetrics(Metrics):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.placements = Counter("duplexbus_conductor_placements", "Partitions placed on a worker", registry=r)
+        self.placement_wait = Histogram(
+            "duplexbus_conductor_placement_wait_seconds",
+            "From a call's open to every partition placed",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.live_calls = Gauge("duplexbus_conductor_live_calls", "Calls admitted and not finished", registry=r)
+        self.workers_alive = Gauge("duplexbus_conductor_workers_alive", "Workers heartbeating now", registry=r)

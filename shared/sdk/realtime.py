@@ -1,0 +1,102 @@
+"""How a model's outputs become OpenAI Realtime events: an optional declaration per model.
+
+The frontend's `/v1/realtime` endpoint (services/frontend/realtime) runs one live call per
+session and knows nothing of any model's outputs. A model that can be served there returns
+a fresh `RealtimeMapping` from `Model.realtime_mapping()` for each session; the mapping
+turns the model's own output events into the few things a realtime session is made of
+(`ModelEvent`): the caller started or stopped speaking, a transcript of what they said, a
+reply (started, audio, text, ended, or cut by a barge-in). No I/O here: a mapping is a pure
+object, fed one output at a time, in order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    """The caller started speaking, `at_s` seconds into the call's audio (server VAD)."""
+
+    at_s: float
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    """The caller's turn ended at `at_s`; the model takes it as committed input (server VAD)."""
+
+    at_s: float
+
+
+@dataclass(frozen=True)
+class InputTranscript:
+    """What the caller said in the current turn: a partial hypothesis, or the final one."""
+
+    text: str
+    final: bool
+
+
+@dataclass(frozen=True)
+class ReplyStarted:
+    """The model starts a reply (one realtime response)."""
+
+
+@dataclass(frozen=True)
+class ReplyAudio:
+    """A piece of the reply's audio (PCM16 mono at `rate`), with the words it speaks, if any new."""
+
+    pcm: np.ndarray = field(repr=False)
+    rate: int
+    transcript: str = ""
+
+
+@dataclass(frozen=True)
+class ReplyText:
+    """Text of the reply (a model that answers in text)."""
+
+    delta: str
+
+
+@dataclass(frozen=True)
+class ReplyEnded:
+    """The reply is complete."""
+
+
+@dataclass(frozen=True)
+class ReplyCut:
+    """The caller talked over the reply (barge-in); the client had played `played_s` of it."""
+
+    played_s: float
+
+
+ModelEvent = SpeechStarted | SpeechStopped | InputTranscript | ReplyStarted | ReplyAudio | ReplyText | ReplyEnded | ReplyCut
+
+
+class RealtimeMapping(ABC):
+    """One session's view of the model's outputs (a fresh object per session, no I/O).
+
+    The session runs in one of two modes, told by `set_server_vad`:
+    - server VAD (`turn_detection: server_vad`): audio streams into the call as it comes
+      and the model's own turn-taking decides turns and replies.
+    - manual (`turn_detection: null`): the client commits its buffer; the frontend sends each
+      committed buffer to the call as one piece, followed by zeros up to a whole model item
+      and `commit_padding_s` of silence, and tells the mapping which samples of the call's
+      audio it covered (`committed`).
+    """
+
+    commit_padding_s: ClassVar[float] = 0.0
+    """Silence sent after a manually committed buffer, so the model's turn-taking ends the turn."""
+
+    def set_server_vad(self, on: bool) -> None:  # noqa: B027 (optional: most mappings need not know)
+        """The session's mode changed (server VAD on or off)."""
+
+    def committed(self, start: int, samples: int) -> None:  # noqa: B027
+        """A manual commit: the call's audio samples [start, start + samples) at the model's rate."""
+
+    @abstractmethod
+    def on_output(self, output: dict[str, Any]) -> list[ModelEvent]:
+        """The realtime meaning of one model output (none: an output with no realtime meaning)."""

@@ -1,0 +1,80 @@
+"""Shared by the realtime tests: every server event checked against the official `openai`
+SDK's typed event models, and a count of response.done per response."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from pydantic import TypeAdapter
+
+# Our extensions (vllm-omni's names): not in the SDK's union, checked for their envelope.
+EXTENSIONS = {"playback.acknowledged", "session.closed", "session.heartbeat", "session.resumed"}
+_SERVER_EVENT: TypeAdapter[Any] | None = None
+
+MANUAL_16K = {
+    "type": "session.update",
+    "session": {
+        "type": "realtime",
+        "audio": {
+            "input": {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None},
+            "output": {"format": {"type": "audio/pcm", "rate": 16000}},
+        },
+    },
+}
+"""A session.update to 16 kHz both ways (echo's own rate: nothing resampled) and manual commits."""
+
+
+def check_event(e: dict[str, Any]) -> None:
+    """The event validates against the SDK's model for its type (required fields and all)."""
+    global _SERVER_EVENT
+    assert isinstance(e.get("event_id"), str) and e["event_id"], e
+    if e["type"] in EXTENSIONS:
+        return
+    if _SERVER_EVENT is None:
+        from openai.types.realtime import RealtimeServerEvent
+
+        _SERVER_EVENT = TypeAdapter(RealtimeServerEvent)
+    parsed = _SERVER_EVENT.validate_python(e)
+    assert parsed.type == e["type"], (parsed.type, e["type"])
+
+
+def check_responses(events: list[dict[str, Any]], closed: bool = True) -> None:
+    """Each response.created has exactly one response.done, after it (all of them, if closed)."""
+    created = [e["response"]["id"] for e in events if e["type"] == "response.created"]
+    done = Counter(e["response"]["id"] for e in events if e["type"] == "response.done")
+    assert all(n == 1 for n in done.values()), done
+    assert set(done) <= set(created), (created, done)
+    if closed:
+        assert set(done) == set(created), (created, done)
+
+
+def audio_of(events: list[dict[str, Any]], response_id: str | None = None) -> bytes:
+    import base64
+
+    return b"".join(
+        base64.b64decode(e["delta"])
+        for e in events
+        if e["type"] == "response.output_audio.delta" and (response_id is None or e["response_id"] == response_id)
+    )
+
+
+def snr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    """Signal to noise of `got` against `ref`, over their common length, after the best
+    alignment within +-64 samples (a resampler's residual delay)."""
+    ref = ref.astype(np.float64)
+    got = got.astype(np.float64)
+    best = -np.inf
+    for lag in range(-64, 65):
+        a = ref[max(0, -lag) :]
+        b = got[max(0, lag) :]
+        n = min(len(a), len(b))
+        err = np.sum((a[:n] - b[:n]) ** 2)
+        best = max(best, 10 * np.log10(np.sum(a[:n] ** 2) / max(err, 1e-9)))
+    return float(best)
+
+
+def tone(seconds: float, rate: int, hz: float = 440.0, amp: float = 8000.0) -> np.ndarray:
+    t = np.arange(round(seconds * rate)) / rate
+    return (amp * np.sin(2 * np.pi * hz * t)).astype(np.int16)

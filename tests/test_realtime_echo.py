@@ -1,0 +1,111 @@
+"""`WS /v1/realtime` end to end with the official `openai` SDK as the client, against a real
+stack (nats-server, conductor, worker, frontend as processes) serving `echo`.
+
+Every event received is validated by the SDK's typed event models (tests/realtime_helpers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from openai import AsyncOpenAI
+
+from shared.sdk.audio import b64_pcm16
+from tests.helpers import Stack, running_stack
+from tests.realtime_helpers import audio_of, check_event, check_responses, snr_db, tone
+
+
+@pytest.fixture(scope="module")
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    async with running_stack(nats_url, {"model": "echo", "realtime": {"resume_grace_s": 3.0}}) as s:
+        yield s
+
+
+def client(stack: Stack) -> AsyncOpenAI:
+    return AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
+
+
+async def until(conn: Any, kind: str, events: list[dict[str, Any]], timeout: float = 20.0) -> dict[str, Any]:
+    """Events (each validated) until one of `kind`."""
+    import asyncio
+
+    async def read() -> dict[str, Any]:
+        while True:
+            raw = await conn.recv_bytes()
+            e = json.loads(raw)
+            check_event(e)
+            assert conn.parse_event(raw).type == e["type"]
+            events.append(e)
+            if e["type"] == kind:
+                return e
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+def manual(rate: int) -> dict[str, Any]:
+    fmt = {"type": "audio/pcm", "rate": rate}
+    return {"type": "realtime", "audio": {"input": {"format": fmt, "turn_detection": None}, "output": {"format": fmt}}}
+
+
+async def test_echo_16khz_manual_commits_come_back_byte_exact(stack: Stack) -> None:
+    events: list[dict[str, Any]] = []
+    async with client(stack).realtime.connect(model="echo") as conn:
+        created = await until(conn, "session.created", events)
+        assert created["session"]["model"] == "echo" and created["session"]["resume_token"]
+        await conn.session.update(session=manual(16000))  # type: ignore[arg-type]
+        await until(conn, "session.updated", events)
+        clips = [tone(0.5, 16000), tone(0.23, 16000, hz=660)]
+        for clip in clips:
+            for i in range(0, len(clip), 320):  # 20 ms appends
+                await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + 320]))
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            done = await until(conn, "response.done", events)
+            assert done["response"]["status"] == "completed"
+            assert audio_of(events, done["response"]["id"]) == clip.tobytes()
+        await conn.send({"type": "session.close"})  # type: ignore[arg-type]
+        await until(conn, "session.closed", events)
+    check_responses(events)
+    kinds = [e["type"] for e in events]
+    assert kinds.count("input_audio_buffer.committed") == 2 and kinds.count("response.done") == 2
+
+
+async def test_echo_24khz_comes_back_within_the_bound(stack: Stack) -> None:
+    """The GA default rate: 24 kHz in and out, echo at 16 kHz between (soxr HQ both ways).
+    Stated bound: the same sample count (+-2) and an SNR above 40 dB for a 440 Hz tone."""
+    events: list[dict[str, Any]] = []
+    async with client(stack).realtime.connect(model="echo") as conn:
+        await conn.session.update(session=manual(24000))  # type: ignore[arg-type]
+        await until(conn, "session.updated", events)
+        clip = tone(1.0, 24000)
+        for i in range(0, len(clip), 480):
+            await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + 480]))
+        await conn.input_audio_buffer.commit()
+        done = await until(conn, "response.done", events)
+    got = np.frombuffer(audio_of(events, done["response"]["id"]), dtype="<i2")
+    assert abs(len(got) - len(clip)) <= 2
+    assert snr_db(clip, got) > 40.0
+
+
+async def test_echo_server_vad_turn_comes_back_as_a_response(stack: Stack) -> None:
+    events: list[dict[str, Any]] = []
+    async with client(stack).realtime.connect(model="echo") as conn:
+        fmt = {"type": "audio/pcm", "rate": 16000}
+        session = {
+            "type": "realtime",
+            "audio": {"input": {"format": fmt, "turn_detection": {"type": "server_vad"}}, "output": {"format": fmt}},
+        }
+        await conn.session.update(session=session)  # type: ignore[arg-type]
+        voiced = tone(0.4, 16000)[: 5 * 1280]
+        audio = np.concatenate([np.zeros(2 * 1280, np.int16), voiced, np.zeros(10 * 1280, np.int16)])
+        for i in range(0, len(audio), 640):
+            await conn.input_audio_buffer.append(audio=b64_pcm16(audio[i : i + 640]))
+        stopped = await until(conn, "input_audio_buffer.speech_stopped", events)
+        done = await until(conn, "response.done", events)
+    started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
+    assert started["audio_start_ms"] == 160 and stopped["item_id"] == started["item_id"]
+    assert audio_of(events, done["response"]["id"]) == voiced.tobytes()

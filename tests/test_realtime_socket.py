@@ -1,0 +1,193 @@
+"""`WS /v1/realtime` over a raw socket against a real echo stack: every error path (bad input
+never closes the socket; limits as error events; admission), an abrupt disconnect, and
+resume (drop the socket mid-reply, resume, no event lost or repeated)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import websockets
+
+from services.frontend.realtime.session import event_number
+from shared.sdk.audio import b64_pcm16
+from tests.helpers import WS, Stack, running_stack
+from tests.realtime_helpers import MANUAL_16K, audio_of, check_event, check_responses, tone
+
+GRACE_S = 1.5
+CONFIG = {
+    "model": "echo",
+    "max_concurrent_requests": 2,
+    "client_streams": {"audio_in": {"max_items": 40}},  # 3.2 s of audio per session
+    "realtime": {"resume_grace_s": GRACE_S},
+}
+
+
+@pytest.fixture(scope="module")
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    async with running_stack(nats_url, CONFIG) as s:
+        yield s
+
+
+def url(stack: Stack) -> str:
+    return f"ws://127.0.0.1:{stack.ports[0]}/v1/realtime?model=echo"
+
+
+class RT(WS):
+    """A raw realtime socket: every event received is validated and kept in `seen`."""
+
+    seen: list[dict[str, Any]]
+
+    @classmethod
+    async def open(cls, stack: Stack) -> RT:
+        sock = cls(await websockets.connect(url(stack), max_size=None))
+        sock.seen = []
+        return sock
+
+    async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
+        e = await super().recv(timeout)
+        check_event(e)
+        self.seen.append(e)
+        return e
+
+    async def next(self, kind: str, timeout: float = 20.0) -> dict[str, Any]:
+        return await self.until(lambda e: e["type"] == kind, timeout)
+
+
+def calls(stack: Stack) -> int:
+    with urllib.request.urlopen(stack.http_url() + "/healthz", timeout=5) as r:
+        return int(json.loads(r.read())["calls"])
+
+
+async def wait_calls(stack: Stack, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while calls(stack) != n:
+        assert time.monotonic() < deadline, f"{calls(stack)} calls, expected {n}"
+        await asyncio.sleep(0.1)
+
+
+async def test_bad_input_gets_error_events_and_the_socket_goes_on(stack: Stack) -> None:
+    rt = await RT.open(stack)
+    await rt.next("session.created")
+    bad: list[tuple[str, str, str | None]] = [
+        ("{oops", "invalid_json", None),
+        ('{"type": "no.such.thing", "event_id": "e1"}', "unknown_event", "type"),
+        ('{"type": "input_audio_buffer.append", "audio": 12, "event_id": "e2"}', "invalid_value", "audio"),
+        ('{"type": "input_audio_buffer.append", "audio": "not base64!", "event_id": "e3"}', "invalid_value", "audio"),
+        ('{"type": "conversation.item.truncate", "item_id": 5, "audio_end_ms": 1, "event_id": "e4"}', "invalid_value", "item_id"),
+    ]
+    for raw, code, param in bad:
+        await rt.send(raw)
+        err = (await rt.next("error"))["error"]
+        assert (err["code"], err["param"]) == (code, param), err
+        assert err["event_id"] == json.loads(raw).get("event_id") if raw.startswith('{"') else err["event_id"] is None
+    await rt.send({"type": "session.close"})
+    await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(tone(0.1, 16000)), "event_id": "late"})
+    err = (await rt.next("error"))["error"]
+    assert (err["code"], err["event_id"]) == ("session_closed", "late")
+    await rt.next("session.closed")
+    await rt.close()
+
+
+async def test_client_stream_limit_is_an_error_event_and_the_session_goes_on(stack: Stack) -> None:
+    rt = await RT.open(stack)
+    await rt.next("session.created")
+    await rt.send({"type": "session.update", "session": {"input_audio_format": "pcm16", "sample_rate_hz": 16000}})
+    await rt.next("session.updated")
+    big = tone(4.0, 16000)  # 50 items, over the 40 the config allows
+    await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(big), "event_id": "big"})
+    err = (await rt.next("error"))["error"]
+    assert err["code"] == "limit_exceeded" and err["param"] == "client_streams.audio_in.max_items" and err["event_id"] == "big"
+    await rt.send({"type": "session.heartbeat"})
+    await rt.next("session.heartbeat")
+    await rt.close()
+
+
+async def test_at_the_cap_a_session_gets_server_busy_and_1013(stack: Stack) -> None:
+    await wait_calls(stack, 0)
+    a, b = await RT.open(stack), await RT.open(stack)
+    await a.next("session.created")
+    await b.next("session.created")
+    c = await RT.open(stack)
+    err = (await c.next("error"))["error"]
+    assert err["code"] == "server_busy" and err["type"] == "server_error"
+    with pytest.raises(websockets.ConnectionClosed):
+        await c.recv(10)
+    assert c.ws.close_code == 1013
+    await a.close()  # a clean close ends its session at once, freeing its slot
+    await wait_calls(stack, 1)
+    d = await RT.open(stack)
+    await d.next("session.created")
+    await d.send({"type": "session.heartbeat"})
+    await d.next("session.heartbeat")
+    for s in (b, d):
+        await s.close()
+
+
+async def test_abrupt_disconnect_ends_the_call_after_the_grace_period(stack: Stack) -> None:
+    await wait_calls(stack, 0)
+    rt = await RT.open(stack)
+    await rt.next("session.created")
+    assert calls(stack) == 1
+    rt.ws.transport.abort()  # no close frame: the session waits for a resume
+    await asyncio.sleep(GRACE_S / 3)
+    assert calls(stack) == 1
+    await wait_calls(stack, 0, timeout=GRACE_S + 5)
+
+
+async def test_resume_after_a_drop_mid_reply_loses_and_repeats_nothing(stack: Stack) -> None:
+    await wait_calls(stack, 0)
+    rt = await RT.open(stack)
+    created = await rt.next("session.created")
+    token = created["session"]["resume_token"]
+    await rt.send(MANUAL_16K)
+    await rt.next("session.updated")
+    clip = tone(2.0, 16000)
+    await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(clip)})
+    await rt.send({"type": "input_audio_buffer.commit"})
+    await rt.next("response.output_audio.delta")
+    last = rt.seen[-1]["event_id"]
+    rt.ws.transport.abort()  # mid-reply: the rest of the response is stored, not read
+    first_part = list(rt.seen)
+
+    again = await RT.open(stack)
+    await again.send({"type": "session.resume", "resume_token": token, "last_event_id": last})
+    done = await again.next("response.done")
+    assert done["response"]["status"] == "completed"
+    # The fresh session this socket opened is gone: only the resumed one holds a call.
+    await wait_calls(stack, 1)
+    resumed = [e for e in again.seen if e["type"] != "session.created" or e["session"]["resume_token"] == token]
+    numbers = [event_number(e["event_id"]) for e in first_part + resumed]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers  # none lost, none repeated
+    events = first_part + resumed
+    assert audio_of(events) == clip.tobytes()
+    check_responses(events)
+    # It carries on: a second commit is answered on the resumed socket.
+    second = tone(0.3, 16000, hz=880)
+    await again.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(second)})
+    await again.send({"type": "input_audio_buffer.commit"})
+    done2 = await again.next("response.done")
+    assert audio_of(again.seen, done2["response"]["id"]) == second.tobytes()
+    await again.close()
+    await wait_calls(stack, 0)
+
+
+async def test_resume_with_an_unknown_token_is_an_error_and_the_new_session_goes_on(stack: Stack) -> None:
+    rt = await RT.open(stack)
+    await rt.send({"type": "session.resume", "resume_token": "nope", "last_event_id": "event_x_1", "event_id": "r"})
+    err = (await rt.next("error"))["error"]
+    assert (err["code"], err["param"], err["event_id"]) == ("invalid_resume_token", "resume_token", "r")
+    await rt.send(MANUAL_16K)
+    await rt.next("session.updated")
+    clip = np.asarray(tone(0.2, 16000))
+    await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(clip)})
+    await rt.send({"type": "input_audio_buffer.commit"})
+    done = await rt.next("response.done")
+    assert audio_of(rt.seen, done["response"]["id"]) == clip.tobytes()
+    await rt.close()

