@@ -13,7 +13,9 @@ from services.conductor import liveness
 from services.conductor import service as conductor_service
 from services.conductor.liveness import ListeningClock, Liveness
 from services.worker.service import WorkerService
+from shared.bus import subjects
 from shared.runtime.config import parse_config
+from shared.runtime.errors import BusUnavailable
 from tests.helpers import own_nats_server
 
 INF = float("inf")  # the rules of revisions, with no stall detection (these tests jump the clock)
@@ -130,6 +132,45 @@ async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers(m
             assert worker.worker_id in conductor.core.workers
             await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
             assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+
+
+async def test_heartbeats_that_cannot_be_stored_convict_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cluster whose node leading the heartbeat bucket died, no heartbeat can be stored
+    until another leader is elected (seconds): the conductor's probe (Bucket.writable) says
+    so and it counts none of that silence. Once the bucket takes writes again, a worker that
+    stays silent is lost as before. Here the bucket's refusal is played by the worker's puts
+    failing and the probe answering False; the watch itself works all along."""
+    with own_nats_server("duplexbus-unstorable-") as server:
+        config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
+        stop = asyncio.Event()
+        conductor = conductor_service.ConductorService(config)
+        worker = WorkerService(config, "echo")
+        tasks = [asyncio.create_task(conductor.run(stop)), asyncio.create_task(worker.run(stop))]
+        try:
+            for _ in range(100):
+                if worker.worker_id in conductor.core.workers:
+                    break
+                await asyncio.sleep(0.05)
+
+            async def no_response(*args: object) -> int:
+                raise BusUnavailable("put", "no response from stream")
+
+            async def not_writable(timeout: float) -> bool:
+                return False
+
+            monkeypatch.setattr(worker.bus.kv[subjects.KV_WORKERS], "put", no_response)
+            monkeypatch.setattr(conductor.kv[subjects.KV_WORKERS], "writable", not_writable)
+            await asyncio.sleep(4 * config.liveness_s)
+            assert worker.worker_id in conductor.core.workers, "a worker was convicted for heartbeats nobody could store"
+            monkeypatch.delattr(conductor.kv[subjects.KV_WORKERS], "writable")  # the bucket takes writes again
+            for _ in range(100):
+                if worker.worker_id not in conductor.core.workers:
+                    break
+                await asyncio.sleep(0.05)
+            assert worker.worker_id not in conductor.core.workers, "a worker silent while heard was not lost"
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)

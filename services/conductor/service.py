@@ -44,6 +44,7 @@ class ConductorService:
         # stretch is not counted as anyone's silence (liveness.ListeningClock).
         self._live = {b: Liveness(config.liveness_s, max_gap_s=2 * TICK_S) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
         self._watching = dict.fromkeys(self._live, False)  # the bucket's watch has delivered what it held: it hears heartbeats
+        self._writable = dict.fromkeys(self._live, False)  # the bucket takes heartbeats (a cluster may be electing its leader)
         self._reconnects = 0  # a watch made before the last reconnect may have died with the server
         r = config.retention
         self.janitor = Janitor(r.max_age_s, r.max_bytes, r.refuse_above_bytes)
@@ -74,6 +75,8 @@ class ConductorService:
                     tg.create_task(self._consume(sub)),
                     tg.create_task(self._watch(subjects.KV_WORKERS)),
                     tg.create_task(self._watch(subjects.KV_FRONTENDS)),
+                    tg.create_task(self._probe(subjects.KV_WORKERS)),
+                    tg.create_task(self._probe(subjects.KV_FRONTENDS)),
                     tg.create_task(self._ticks()),
                     tg.create_task(self._process()),
                     tg.create_task(self._janitor()),
@@ -295,6 +298,16 @@ class ConductorService:
                 self._watching[bucket] = False
                 await watch.stop()
 
+    async def _probe(self, bucket: str) -> None:
+        """Whether heartbeats can be stored at all: a bucket whose stream has lost its leader (a
+        cluster node died) takes none until another is elected, and the silence that makes is
+        nobody's fault. Asked every tick, with a write the bucket refuses (Bucket.writable)."""
+        kv = self.kv[bucket]
+        while True:
+            start = time.monotonic()
+            self._writable[bucket] = await kv.writable(timeout=TICK_S)
+            await asyncio.sleep(max(0.0, TICK_S - (time.monotonic() - start)))
+
     async def _heartbeat_entry(self, bucket: str, entry: KvEntry) -> None:
         live = self._live[bucket]
         if entry.removed:
@@ -321,7 +334,7 @@ class ConductorService:
             await asyncio.sleep(TICK_S)
             for bucket, live in self._live.items():
                 now = time.monotonic()
-                live.hear(self.bus.is_connected and self._watching[bucket], now)
+                live.hear(self.bus.is_connected and self._watching[bucket] and self._writable[bucket], now)
                 for key in live.expired(now):
                     log.warning("%s %s stopped heartbeating", bucket, key)
                     await self.events.put((_lost(bucket, key), None))

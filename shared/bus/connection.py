@@ -36,6 +36,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.bus import subjects
+from shared.bus.confirmed import Confirmer
 from shared.bus.failures import Denials, mapped
 from shared.bus.history import Stored, read_history
 from shared.bus.internals import subscribe_direct
@@ -176,6 +177,7 @@ class BusConnection:
         self._denials = denials
         self.payloads = Payloads(self._js, config, int(nc.max_payload))
         self.kv: dict[str, Bucket] = {}
+        self.confirmer: Confirmer | None = None  # publishes the stream confirms (confirmed.py)
 
     @classmethod
     async def open(
@@ -215,14 +217,34 @@ class BusConnection:
                 nc = await asyncio.wait_for(nats.connect(**opts), connect_timeout)
         conn = cls(nc, config, denials)
         try:
-            if stream:
-                await conn.ensure_stream()
-            for b in buckets:
-                conn.kv[b] = await conn.bucket(b)
+            await conn._set_up(stream, buckets, connect_timeout)
+            if stream and config.confirms_publishes:
+                conn.confirmer = Confirmer(nc)
+                await conn.confirmer.start()
         except BaseException:
             await conn.close()
             raise
         return conn
+
+    async def _set_up(self, stream: bool, buckets: Sequence[str], timeout: float | None) -> None:
+        """The stream and buckets, tried again while the failure is recoverable (a cluster
+        electing its JetStream leader answers nothing for a while), for up to `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            try:
+                if stream:
+                    await self.ensure_stream()
+                    stream = False
+                for b in buckets:
+                    if b not in self.kv:
+                        self.kv[b] = await self.bucket(b)
+                return
+            except BusError as e:
+                if not e.recoverable or (deadline is not None and loop.time() > deadline):
+                    raise
+                log.warning("%s; trying again", e)
+                await asyncio.sleep(0.5)
 
     # -- set-up ----------------------------------------------------------------
     async def ensure_stream(self) -> None:
@@ -289,10 +311,15 @@ class BusConnection:
         await self._nc.flush(timeout=max(1, math.ceil(timeout)))
 
     async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
-        """A core publish (the stream stores it all the same, with no round trip)."""
+        """A core publish (the stream stores it all the same, with no round trip). Where the
+        stream is replicated, one the stream confirms, sent again until it has stored it
+        (confirmed.py); the caller does not wait for that either."""
         with mapped(f"publishing {subject}", self._denials):
             headers, body = await self.payloads.outgoing(subject, body, headers)
-            await self._nc.publish(subject, body, headers=headers)
+            if self.confirmer is not None:
+                await self.confirmer.publish(subject, body, headers)
+            else:
+                await self._nc.publish(subject, body, headers=headers)
 
     async def store(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """A JetStream publish: returns once the stream has stored it."""
@@ -453,6 +480,8 @@ class BusConnection:
     async def close(self, timeout: float = 2.0) -> None:
         """Flush what is written, then close. (nats-py's drain waits up to 30 s on the KV
         watchers' consumers; nothing here needs drain: unacked work is redelivered.)"""
+        if self.confirmer is not None:
+            await self.confirmer.close(timeout)
         try:
             await asyncio.wait_for(self._nc.flush(), timeout)
         except Exception as e:  # a closed or unreachable server: what was not flushed is lost either way

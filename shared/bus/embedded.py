@@ -16,6 +16,7 @@ import subprocess
 import sysconfig
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
@@ -65,15 +66,18 @@ class NatsServer:
         log_file: str | Path | None = None,
         monitor_port: int | None = None,
         credentials: tuple[str, str] | None = None,
+        args: Sequence[str] = (),
     ) -> None:
         """`credentials` (user, password): clients must give them (`client_url` carries them);
-        without, anyone who reaches the port may connect."""
+        without, anyone who reaches the port may connect. `args`: more of nats-server's
+        options (a cluster node's: NatsCluster)."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port or free_port(host)
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.credentials = credentials
+        self.args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -101,6 +105,7 @@ class NatsServer:
             "-m", str(self.monitor_port),
             "-sd", str(self.store_dir),
             "-l", str(self.log_file),
+            *self.args,
         ]  # fmt: skip
         if self.credentials is not None:
             cmd += ["-c", str(self._write_auth_config())]
@@ -176,3 +181,86 @@ class NatsServer:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+class NatsCluster:
+    """Nodes of one JetStream cluster (three by default), each a NatsServer with its own store
+    under `store_dir`, routes to the others on loopback. For trying duplexbus on a cluster
+    (`duplexbus nats --cluster`) and for the tests that kill a node; a real cluster runs one
+    node per machine. Streams and buckets on it want `retention.replicas: 3`."""
+
+    def __init__(self, store_dir: str | Path, nodes: int = 3, host: str = "127.0.0.1", name: str = "duplexbus") -> None:
+        self.store_dir = Path(store_dir)
+        self.name = name
+        routes = [free_port(host) for _ in range(nodes)]
+        self.nodes = [
+            NatsServer(self.store_dir / self.node_name(i), host=host, args=self._node_args(i, host, routes)) for i in range(nodes)
+        ]
+
+    def _node_args(self, i: int, host: str, routes: list[int]) -> list[str]:
+        return [
+            "--server_name", self.node_name(i),
+            "--cluster_name", self.name,
+            "--cluster", f"nats://{host}:{routes[i]}",
+            "--routes", ",".join(f"nats://{host}:{p}" for j, p in enumerate(routes) if j != i),
+        ]  # fmt: skip
+
+    def node_name(self, i: int) -> str:
+        return f"{self.name}-{'abcdefghijklmnopqrstuvwxyz'[i]}"
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated (NATS_URL for a service that may use any node)."""
+        return ",".join(n.url for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> NatsCluster:
+        """Start every node, then wait until the cluster has its JetStream leader and each
+        node is current with it (a stream made before would be refused)."""
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            if node.exited() is None:
+                _wait_healthy(node, deadline)
+
+    def restart(self, i: int, timeout: float = 30.0) -> NatsServer:
+        """Start node `i` again (after kill or stop) on its port and store."""
+        old = self.nodes[i]
+        self.nodes[i] = NatsServer(old.store_dir, port=old.port, host=old.host, monitor_port=old.monitor_port, args=old.args)
+        self.nodes[i].start(timeout)
+        _wait_healthy(self.nodes[i], time.monotonic() + timeout)
+        return self.nodes[i]
+
+    def index_of(self, server_name: str) -> int:
+        return [self.node_name(i) for i in range(len(self.nodes))].index(server_name)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _wait_healthy(node: NatsServer, deadline: float) -> None:
+    """Until the node's full /healthz passes: JetStream on, the meta leader known, its streams
+    current (NatsServer.wait_ready asks only that JetStream be on)."""
+    url = f"http://{node.host}:{node.monitor_port}/healthz"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.1)
+    raise TimeoutError(f"nats-server {node.url} not healthy in its cluster; see {node.log_file}")

@@ -33,6 +33,7 @@ PUT, DELETE, PURGE = "PUT", "DEL", "PURGE"
 # Watches see the marker as it is written; nothing reads it later.
 MARKER_TTL_S = 2
 WRONG_LAST_SEQUENCE = 10071  # the server's code for a conditional write that lost
+PROBE_KEY = "_probe"  # never stored: writes to it are conditional on a revision no key reaches
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,19 @@ class Bucket:
                 if e.err_code == WRONG_LAST_SEQUENCE:
                     raise KeyWrongLastSequenceError(description=e.description) from e
                 raise
+
+    async def writable(self, timeout: float) -> bool:
+        """Whether the bucket takes writes now: its stream has a leader that answers. Asked with
+        a write the leader must refuse (a revision no key reaches), so nothing is stored; a
+        refusal within `timeout` is the answer wanted."""
+        headers: dict[str, str] = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(2**62)}
+        try:
+            await self._js.publish(f"{self._prefix}{PROBE_KEY}", b"", headers=headers, timeout=timeout)
+        except APIError as e:
+            return e.err_code == WRONG_LAST_SEQUENCE
+        except Exception:  # no answer, no responders, no connection: nats-py's own kinds
+            return False
+        return True
 
     async def keys(self) -> list[str]:
         """The keys that exist now ([] for an empty bucket)."""

@@ -24,6 +24,7 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_bytes: int = 2 * 1024**3
     hard_max_bytes: int | None = None  # None: twice max_bytes
     replicas: int = 1
+    confirm_publishes: bool | None = None  # None: where replicas > 1 (ServingConfig.confirms_publishes)
 
     @property
     def refuse_above_bytes(self) -> int:
@@ -107,6 +108,14 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         The model's topology applies them (`PartitionTopology.stream_limits`), which may lower
         a model's bound, never raise or remove it."""
         return {edge: s.max_items for edge, s in self.client_streams.items()}
+
+    @property
+    def confirms_publishes(self) -> bool:
+        """Items and outputs are published so that the stream confirms them, and sent again
+        until it has (shared/bus/confirmed.py): where the stream is replicated, its leader can
+        die, and until another is elected what is published is stored nowhere."""
+        confirm = self.retention.confirm_publishes
+        return confirm if confirm is not None else self.retention.replicas > 1
 
     @property
     def stream_max_age_s(self) -> float:
