@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import nats
 
 from shared.bus import subjects
 from shared.bus.connection import BusConnection
-from shared.bus.embedded import NatsCluster
+from shared.bus.embedded import NatsCluster, free_port
 from shared.bus.kv import Bucket
 from shared.runtime.config import parse_config
 from tests.helpers import EchoCall, Stack, call_records, stream_for
@@ -140,4 +145,47 @@ async def _writable_within(bucket: Bucket, seconds: float) -> bool:
         if await bucket.writable(timeout=0.5):
             return True
         await asyncio.sleep(0.1)
+    return False
+
+
+def test_duplexbus_nats_cluster_runs_three_nodes_until_sigterm(tmp_path: Path) -> None:
+    """`duplexbus nats --cluster`: three nodes on --port and the two after, one JetStream
+    cluster (an R3 stream made through one node is read through another), all stopped on
+    SIGTERM."""
+    port = free_port()
+    while any(_taken(p) for p in (port + 1, port + 2)):
+        port = free_port()
+    argv = [sys.executable, "-m", "duplexbus.cli", "nats", "--cluster", "--store", str(tmp_path / "nats"), "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        urls = proc.stdout.readline().strip().split(",")
+        assert urls == [f"nats://127.0.0.1:{p}" for p in (port, port + 1, port + 2)]
+        assert "retention.replicas: 3" in proc.stderr.readline()
+
+        async def replicated() -> None:
+            config = parse_config({"nats_url": urls[0], "retention": {"replicas": 3}})
+            bus = await BusConnection.open(config, "cli-cluster")
+            await bus.store(subjects.open_("c1"), b"open")
+            await bus.close()
+            other = await BusConnection.open(parse_config({"nats_url": urls[2], "retention": {"replicas": 3}}), "cli-cluster-c")
+            assert [b async for _, b, _ in other.read_stored([subjects.call_all("c1")])] == [b"open"]
+            await other.close()
+
+        asyncio.run(replicated())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not any(_taken(p) for p in (port, port + 1, port + 2))  # every node stopped with it
+
+
+def _taken(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
     return False

@@ -189,12 +189,26 @@ class NatsCluster:
     (`duplexbus nats --cluster`) and for the tests that kill a node; a real cluster runs one
     node per machine. Streams and buckets on it want `retention.replicas: 3`."""
 
-    def __init__(self, store_dir: str | Path, nodes: int = 3, host: str = "127.0.0.1", name: str = "duplexbus") -> None:
+    def __init__(
+        self,
+        store_dir: str | Path,
+        nodes: int = 3,
+        host: str = "127.0.0.1",
+        name: str = "duplexbus",
+        ports: Sequence[int] | None = None,
+    ) -> None:
+        """`ports`: each node's client port (free ones where not given)."""
         self.store_dir = Path(store_dir)
         self.name = name
         routes = [free_port(host) for _ in range(nodes)]
         self.nodes = [
-            NatsServer(self.store_dir / self.node_name(i), host=host, args=self._node_args(i, host, routes)) for i in range(nodes)
+            NatsServer(
+                self.store_dir / self.node_name(i),
+                port=ports[i] if ports else None,
+                host=host,
+                args=self._node_args(i, host, routes),
+            )
+            for i in range(nodes)
         ]
 
     def _node_args(self, i: int, host: str, routes: list[int]) -> list[str]:
