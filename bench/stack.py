@@ -42,8 +42,15 @@ def is_final(m: dict) -> bool:
 
 class UpStack:
     def __init__(
-        self, model: str = "echo", frontends: int = 1, workers: int = 1, config: dict | None = None, colocate: bool = False
+        self,
+        model: str = "echo",
+        frontends: int = 1,
+        workers: int = 1,
+        config: dict | None = None,
+        colocate: bool = False,
+        nats_url: str | None = None,
     ) -> None:
+        """`nats_url`: a NATS of the caller's (a cluster) instead of up's embedded server."""
         self.port = free_port()  # every frontend serves on it
         self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-"))
         cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", model, "--port", str(self.port)]
@@ -57,10 +64,12 @@ class UpStack:
             cmd += ["--config", str(cfg)]
         env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
         env["DUPLEXBUS_LOG"] = "WARNING"
+        if nats_url:
+            env["NATS_URL"] = nats_url
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.frontends = frontends
         self._wait_ready()
-        url = saved_nats_url(self.dir / "run")  # with the embedded server's credentials
+        url = nats_url or saved_nats_url(self.dir / "run")  # with the embedded server's credentials
         if url is None:
             raise RuntimeError("duplexbus up left no NATS URL in its run directory")
         self.nats_url = url
@@ -76,7 +85,7 @@ class UpStack:
         return f"ws://127.0.0.1:{self.port}/generate/ws"  # the kernel spreads sockets over the frontends
 
     async def worker_stats(self, reset: bool = False) -> list[dict]:
-        nc = await nats.connect(self.nats_url)
+        nc = await nats.connect(servers=self.nats_url.split(","))  # a cluster's URLs are a list
         try:
             kv = await nc.jetstream().key_value(subjects.KV_WORKERS)
             out = []
