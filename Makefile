@@ -1,12 +1,13 @@
 # Two commands: `make up` serves the default model on http://127.0.0.1:8000,
 # `make test` runs the whole suite. Both create .venv and install when needed.
+# `make test-fast` runs the tests that stay in one process (seconds), to run while editing.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: up test lint typecheck bench clean system-deps
+.PHONY: up test test-fast lint typecheck bench clean system-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,11 @@ system-deps:
 
 test: $(STAMP) system-deps lint typecheck
 	$(PY) -m pytest -q $(ARGS)
+
+# No nats-server, no process (the tests tests/support/tiers.py leaves unmarked), nothing marked
+# slow; the five slowest are listed, so a slow newcomer is seen.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not integration and not slow" --durations=5 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/batching.py` finds `bench`
 
-from bench.stack import machine
+from bench.machine import machine
 from models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition
 from shared.sdk.chunking import Chunk, Item
 from shared.sdk.model import CallInfo, StepInput
@@ -84,7 +84,7 @@ def make_batches(cids: list[str], steps: int, rng: np.random.Generator) -> list[
     return batches
 
 
-def bench_calls(p: TinyDuplexPartition, n: int, modes: list[str], args: argparse.Namespace, context: int) -> list[dict]:
+def bench_calls(p: TinyDuplexPartition, n: int, modes: list[str], args: argparse.Namespace, context: int) -> list[dict[str, Any]]:
     """Time `modes` at n calls. Each mode has its own n calls (own slots, same prefilled
     caches) and the modes' timed runs alternate, so a load spike on the machine hits
     them alike."""
@@ -125,7 +125,7 @@ def bench_calls(p: TinyDuplexPartition, n: int, modes: list[str], args: argparse
 
 
 def machine_info(device: str) -> dict[str, Any]:
-    """bench.stack.machine(), with torch's version and threads, the load average and the GPU if one is used."""
+    """bench.machine.machine(), with torch's version and threads, the load average and the GPU if one is used."""
     info: dict[str, Any] = {
         "host": machine(),
         "torch": torch.__version__,

@@ -20,8 +20,9 @@ import tempfile
 from typing import Any
 
 from bench.live_load import fmt, level
-from bench.stack import UpStack, machine
+from bench.machine import machine
 from shared.bus.embedded import NatsCluster, NatsServer
+from tests.support.stack import UpStack
 
 SETUPS = {
     "R1": ({"replicas": 1}, 1),

@@ -12,24 +12,14 @@ import argparse
 import asyncio
 import json
 
-import nats
 import numpy as np
 import websockets
 
-from bench.stack import UpStack, is_final, machine
-from shared.bus import subjects
+from bench.machine import machine
 from shared.sdk.audio import b64_pcm16
-
-
-async def delivered(url: str) -> int:
-    """Messages the conductor's durable consumer has delivered so far (the tests use it too)."""
-    nc = await nats.connect(url)
-    try:
-        info = await nc.jetstream().consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
-        assert info.delivered is not None  # the server reports it for every consumer
-        return int(info.delivered.consumer_seq or 0)
-    finally:
-        await nc.close()
+from tests.support.bus import delivered
+from tests.support.client import is_final
+from tests.support.stack import UpStack
 
 
 async def one_call(url: str, appends: int) -> None:

@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 import nats
+from nats.aio.client import Client
 
 from bench.jetstream_cost import item_msg
-from bench.stack import machine
+from bench.machine import machine
 from services.conductor import retention
 from services.conductor.service import ConductorService
 from shared.bus import subjects
@@ -30,7 +31,7 @@ from shared.bus.embedded import NatsServer
 from shared.runtime.config import parse_config
 
 
-async def fill(nc: nats.NATS, calls: int, items: int) -> tuple[int, float]:
+async def fill(nc: Client, calls: int, items: int) -> tuple[int, float]:
     """`calls` finished calls as the services publish them (core publishes, stored by the
     stream), each call's fin stored with an ack: a barrier that keeps the filling from
     outrunning the store. Returns (messages stored, seconds)."""

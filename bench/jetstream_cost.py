@@ -25,9 +25,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
+from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bench.stack import machine
+from bench.machine import machine
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection
 from shared.bus.embedded import NatsServer
@@ -39,14 +40,15 @@ ITEM = b"\x00" * 2560  # one 80 ms frame of 16 kHz PCM16
 
 def varz(server: NatsServer) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/varz", timeout=5) as r:
-        return json.loads(r.read())
+        v: dict[str, Any] = json.loads(r.read())
+        return v
 
 
 def item_msg(seq: int) -> bytes:
     return wire.encode(wire.InputItem(seq=seq, item=wire.WireItem(wire.Tensor("<i2", [1280], ITEM))))
 
 
-async def fill(nc: nats.NATS, calls: int, items: int) -> tuple[int, float]:
+async def fill(nc: Client, calls: int, items: int) -> tuple[int, float]:
     """Publish `calls` finished calls; returns (messages, seconds until all are stored)."""
     js = nc.jetstream()
     start_n = (await js.stream_info(subjects.STREAM)).state.messages
@@ -73,10 +75,10 @@ async def fill(nc: nats.NATS, calls: int, items: int) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-Subscribe = Callable[[nats.NATS, str, Callable[[Any], Awaitable[None]]], Awaitable[Any]]
+Subscribe = Callable[[Client, str, Callable[[Any], Awaitable[None]]], Awaitable[Any]]
 
 
-async def core_sub_and_catch_up(nc: nats.NATS, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+async def core_sub_and_catch_up(nc: Client, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
     """A (chosen): core subscription per call, then, as a worker does, a barrier (its placed
     message, stored with an ack) and one catch-up read (an ephemeral consumer)."""
     sub = await nc.subscribe(subjects.consumed(cid, "audio_in"), cb=cb)
@@ -89,12 +91,12 @@ async def core_sub_and_catch_up(nc: nats.NATS, cid: str, cb: Callable[[Any], Awa
     return sub
 
 
-async def ordered_consumer(nc: nats.NATS, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+async def ordered_consumer(nc: Client, cid: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
     """B (alternative): one ordered push consumer per call; every read through JetStream."""
     return await nc.jetstream().subscribe(subjects.input_(cid, "audio_in"), cb=cb, ordered_consumer=True, stream=subjects.STREAM)
 
 
-async def measure(nc: nats.NATS, cids: list[str], items: int, subscribe: Subscribe) -> dict[str, float]:
+async def measure(nc: Client, cids: list[str], items: int, subscribe: Subscribe) -> dict[str, float]:
     """Set-up time per call, then the receive rate while every call gets `items` items."""
     total = len(cids) * items
     received = 0
@@ -122,7 +124,7 @@ async def measure(nc: nats.NATS, cids: list[str], items: int, subscribe: Subscri
     return {"setup_p50_ms": p50 * 1000, "setup_p99_ms": p99 * 1000, "msgs_per_s": rate}
 
 
-async def publish_all(nc: nats.NATS, cids: list[str], items: int) -> None:
+async def publish_all(nc: Client, cids: list[str], items: int) -> None:
     pub = await nats.connect(nc.connected_url.geturl() if nc.connected_url else "")
     for s in range(items):
         body = item_msg(s)

@@ -18,7 +18,7 @@ import time
 import nats
 from nats.js.kv import KeyValue
 
-from bench.stack import machine
+from bench.machine import machine
 from services.conductor.service import ConductorService
 from shared.bus import kv as kv_module
 from shared.bus import subjects, wire

@@ -27,9 +27,10 @@ import msgspec
 import numpy as np
 import websockets
 
-from bench.stack import UpStack, machine
+from bench.machine import machine
 from shared.runtime.stats import percentile
 from shared.sdk.audio import b64_pcm16
+from tests.support.stack import UpStack
 
 PERIOD = 0.08
 WARMUP = 12  # the first second of each session (opening, placement) is left out

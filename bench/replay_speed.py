@@ -25,13 +25,14 @@ from pathlib import Path
 import numpy as np
 import websockets
 
-from bench.stack import UpStack, machine
+from bench.machine import machine
 from clients.replay import raw, read_call, timeline, write_audio
 from models.echo import FRAME
 from shared.bus import wire
 from shared.bus.connection import BusConnection
 from shared.runtime.config import parse_config
 from shared.sdk.audio import b64_pcm16
+from tests.support.stack import UpStack
 
 APPENDS = 7_500  # 10 minutes of 80 ms appends
 

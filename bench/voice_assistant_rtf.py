@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_assistant_rtf.py` finds `bench`
 
-from bench.stack import machine
+from bench.machine import machine
 from clients.eval.metrics import word_error_rate
 from models.voice_assistant import FRAME, SAMPLE_RATE, VoiceAssistantModel
 from models.voice_assistant.audio import silence

@@ -46,13 +46,15 @@ import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/voice_latency.py` finds `bench`
 
-from bench.stack import UpStack, is_final, machine
+from bench.machine import machine
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
 from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES
 from shared.runtime.stats import percentile
 from shared.sdk.audio import b64_pcm16
+from tests.support.client import is_final
+from tests.support.stack import UpStack
 
 SENTENCES = [SAMPLE_SENTENCES[i] for i in (1, 2, 4, 3, 6, 7, 0, 5)]
 SEED = 20_240_601
@@ -165,7 +167,7 @@ async def level(
     rounds: int,
     rng: random.Random,
     spread: bool = True,
-) -> dict:
+) -> dict[str, Any]:
     period = 1.5 + gap  # about one turn
     out: list[dict[str, Any]] = []
     for r in range(rounds):

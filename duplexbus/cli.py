@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -106,10 +107,32 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
+def warn_if_open(host: str, cfg: ServingConfig) -> None:
+    """A frontend that other machines can reach and that asks for no token serves anyone who
+    finds it: say so, loudly, at start (it is a choice to make, not a default to miss)."""
+    if cfg.auth.tokens or is_loopback(host):
+        return
+    logging.getLogger("duplexbus.frontend").warning(
+        "\n%s\nThis frontend listens on %s, reachable from other machines, and no bearer token is set:\n"
+        "anyone who reaches it can run calls. Set auth.tokens in the serving config (or $DUPLEXBUS_TOKENS).\n%s",
+        "!" * 78,
+        host,
+        "!" * 78,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def cmd_frontend(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.frontend.app import create_app
+    from services.frontend.http import FrontendHttpProtocol
     from services.frontend.websocket import FrontendWebSocketProtocol
     from shared.runtime.process import setup_logging, tune_gc
 
@@ -117,15 +140,19 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     cfg = _config(args)
     host = args.host or cfg.host
     port = args.port or cfg.port
+    if args.fd is not None:
+        host = socket.socket(fileno=os.dup(args.fd)).getsockname()[0]
+    warn_if_open(host, cfg)
     app = create_app(cfg)
     tune_gc()
-    ws_max = 2 * cfg.max_message_bytes + 1024 * 1024  # the app answers oversize messages itself
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        ws=FrontendWebSocketProtocol.with_send_buffer(cfg.max_send_buffer_bytes),
-        ws_max_size=ws_max,
+        # Both take their limits from the app's guard (the lifespan's state).
+        http=FrontendHttpProtocol,
+        ws=FrontendWebSocketProtocol,
+        ws_max_size=cfg.ws_max_frame_bytes,  # the app answers oversize messages itself
         ws_per_message_deflate=False,  # compressing base64 audio costs CPU and saves little
         log_level="warning",
         lifespan="on",

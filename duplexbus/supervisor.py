@@ -75,9 +75,9 @@ class UpOptions:
     stop_timeout: float = 15.0  # per group of children; more than their shutdown_drain_s
 
 
-def plan(opts: UpOptions, partitions: list[str], listen_fd: int | None = None) -> list[Child]:
-    """The children to start. With `listen_fd`, every frontend accepts on that one inherited
-    socket (one port for all of them); without, frontend i binds port + i itself."""
+def plan(opts: UpOptions, partitions: list[str], listen_fds: list[int] | None = None) -> list[Child]:
+    """The children to start. With `listen_fds`, frontend i accepts on inherited socket i (all
+    on one port); without, frontend i binds port + i itself."""
     py = [sys.executable, "-m", "duplexbus.cli"]
     common = (["--config", opts.config] if opts.config else []) + (["--model", opts.model] if opts.model else [])
     children = [Child("conductor", [*py, "conductor", *common], order=2)]
@@ -89,8 +89,9 @@ def plan(opts: UpOptions, partitions: list[str], listen_fd: int | None = None) -
             for i in range(opts.workers):
                 children.append(Child(f"worker-{p}-{i}", [*py, "worker", *common, "--partition", p], order=1))
     for i in range(opts.frontends):
-        where = ["--fd", str(listen_fd)] if listen_fd is not None else ["--host", opts.host, "--port", str(opts.port + i)]
-        fds = (listen_fd,) if listen_fd is not None else ()
+        fd = listen_fds[i] if listen_fds else None
+        where = ["--fd", str(fd)] if fd is not None else ["--host", opts.host, "--port", str(opts.port + i)]
+        fds = (fd,) if fd is not None else ()
         children.append(Child(f"frontend-{i}", [*py, "frontend", *common, *where], order=0, pass_fds=fds))
     return children
 
@@ -189,19 +190,34 @@ def _save_nats_url(run_dir: Path, url: str) -> None:
         f.write(url + "\n")
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The one listening socket every frontend accepts on (inherited: `up --frontends N` serves
-    them all on one port). Bound here, once, so a port in use is refused before anything starts."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def listen(host: str, port: int, n: int) -> list[socket.socket]:
+    """One listening socket per frontend, all on `host:port` in one SO_REUSEPORT group: the
+    kernel spreads new connections evenly over them (one socket shared by every process
+    goes mostly to whichever wakes first), and a frontend that restarts gets its socket,
+    and what waits in it, back.
+
+    The port is first bound alone, without SO_REUSEPORT: where anything holds it (another
+    duplexbus up included, whose group this would otherwise join) that fails, and the port
+    is refused before anything starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    socks: list[socket.socket] = []
     try:
-        sock.bind((host, port))
-        sock.listen(2048)
+        for _ in range(n):
+            sock = socket.socket(family)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            sock.listen(2048)
+            sock.set_inheritable(True)
     except OSError:
-        sock.close()
+        for s in socks:
+            s.close()
         raise
-    sock.set_inheritable(True)
-    return sock
+    return socks
 
 
 class EmbeddedNats:
@@ -247,7 +263,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     log_dir = opts.run_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     try:
-        listener = listen(opts.host, opts.port)
+        listeners = listen(opts.host, opts.port, opts.frontends)
     except OSError as e:
         print(f"error: cannot serve on {opts.host}:{opts.port}: {e.strerror or e}; another duplexbus up (or another "
               "program) holds it: stop it, or choose another --port", file=sys.stderr, flush=True)  # fmt: skip
@@ -275,7 +291,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
                   f"monitoring on http://{server.host}:{server.monitor_port}", flush=True)  # fmt: skip
         else:
             print(f"using NATS at {cfg.nats_url}", flush=True)  # the children read the same config
-        children = plan(opts, partitions, listener.fileno())
+        children = plan(opts, partitions, [s.fileno() for s in listeners])
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
@@ -296,7 +312,8 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             time.sleep(POLL_S)
     finally:
         stop_all(children, opts.stop_timeout)
-        listener.close()
+        for s in listeners:
+            s.close()
         if nats is not None:
             nats.server.stop()
             (opts.run_dir / NATS_URL_FILE).unlink(missing_ok=True)

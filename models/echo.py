@@ -42,7 +42,8 @@ def frames_rms(frames: list[np.ndarray]) -> list[float]:
     if not frames or len({len(f) for f in frames}) != 1 or not len(frames[0]):
         return [frame_rms(f) for f in frames]
     x = np.stack(frames).astype(np.float64)
-    return np.sqrt(np.mean(x * x, axis=1)).tolist()
+    rms: list[float] = np.sqrt(np.mean(x * x, axis=1)).tolist()
+    return rms
 
 
 class Encoder(Partition):

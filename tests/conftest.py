@@ -5,7 +5,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tests.helpers import WS, Stack, own_nats_server
+from tests.support import tiers
+from tests.support.bus import own_nats_server
+from tests.support.client import WS
+from tests.support.stack import Stack
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +27,13 @@ async def ws(stack: Stack) -> AsyncIterator[WS]:
     sock = await WS.connect(stack.ws_url(0))
     yield sock
     await sock.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers.mark_integration(items)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if tiers.in_fast_tier(request.node):
+        tiers.forbid_processes(monkeypatch, request.node.nodeid)

@@ -23,7 +23,8 @@ import numpy as np
 from shared.sdk.chunking import CatchUpChunkPolicy
 from shared.sdk.model import CallInfo, Emission, Model, Output, Partition, StepInput
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
-from tests.helpers import REPO, Stack
+from tests.support import REPO
+from tests.support.stack import Stack
 
 AUDIO_RATE, AUDIO_FRAME, AUDIO_MAX = 16_000, 1280, 100
 AUX_RATE, AUX_FRAME, AUX_MAX = 8_000, 160, 40

@@ -9,16 +9,19 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import numpy as np
 import pytest
 
-from bench.conductor_load import delivered
 from models.echo import FRAME
 from shared.bus import subjects
 from shared.sdk.audio import encode_wav
-from tests.helpers import WS, Stack, echo_bytes, padded, pcm_file, running_stack
+from tests.support.audio import echo_bytes, padded, pcm_file
+from tests.support.bus import delivered
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
         yield s
 
 
-async def run_call(ws: WS, rid: str, samples: np.ndarray, sizes: list[int]) -> list[dict]:
+async def run_call(ws: WS, rid: str, samples: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
     await ws.send({"request_id": rid})
     pos = 0
     for n in sizes:

@@ -25,7 +25,7 @@ import pytest
 from models.voice_assistant import TALKER_LEAD_ENV
 from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import encode_wav
-from tests.helpers import Stack, running_stack
+from tests.support.stack import Stack, running_stack
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():

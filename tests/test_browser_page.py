@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from shared.sdk.audio import encode_wav
-from tests.helpers import Stack, running_stack
+from tests.support.stack import Stack, running_stack
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():

@@ -13,7 +13,7 @@ from shared.bus import subjects
 from shared.bus.confirmed import Unconfirmed
 from shared.bus.connection import BusConnection
 from shared.runtime.config import parse_config
-from tests.helpers import own_nats_server
+from tests.support.bus import own_nats_server
 
 
 def test_unconfirmed_publishes_are_due_again_oldest_first_after_the_wait() -> None:

@@ -32,6 +32,7 @@ from shared.runtime.errors import (
         (jerr.ServiceUnavailableError(), BusUnavailable, 503, True),
         (jerr.NotFoundError(code=404, description="stream not found"), BusNotFound, 404, True),
         (jerr.KeyWrongLastSequenceError(description="wrong last sequence: 3"), KeyTaken, 409, False),
+        (jerr.BadRequestError(code=400, err_code=10071, description="wrong last sequence: 7"), KeyTaken, 409, False),
         (jerr.BadRequestError(code=400, description="insufficient resources"), BusRefused, 503, False),
     ],
 )

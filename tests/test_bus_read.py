@@ -4,7 +4,7 @@ from a point (a repair or recovery reads on from where the last read ended)."""
 from __future__ import annotations
 
 from shared.bus import subjects
-from tests.helpers import bus_client
+from tests.support.bus import bus_client
 
 
 async def test_read_stored_reads_everything_or_on_from_a_sequence(nats_url: str) -> None:

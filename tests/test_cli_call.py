@@ -12,7 +12,7 @@ import pytest
 from clients.call import pcm_file, read_wav, reply_audio
 from shared.bus.embedded import free_port
 from shared.sdk.audio import b64_pcm16, encode_wav, pcm16_from_b64
-from tests.helpers import wav_bytes
+from tests.support.audio import wav_bytes
 
 
 def test_reads_mono_16bit_16khz(tmp_path: Path) -> None:

@@ -23,6 +23,8 @@ def test_an_unknown_model_is_a_config_error(capsys: pytest.CaptureFixture[str], 
     assert "Traceback" not in err and err.count("\n") == 1
 
 
+# The suite turns warnings into errors; this test's own warning must reach logging instead.
+@pytest.mark.filterwarnings("default:routed to logging:UserWarning")
 def test_main_routes_warnings_to_logging(caplog: pytest.LogCaptureFixture) -> None:
     """The `duplexbus` console script calls main() directly: main itself captures warnings."""
     import logging
@@ -55,6 +57,8 @@ def test_nats_runs_until_sigterm_or_ctrl_c_and_stops_its_server(tmp_path: Path, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
     with socket.socket() as s:  # the server is gone with it: its port is free again
         s.bind(("127.0.0.1", port))
 

@@ -28,7 +28,9 @@ from shared.bus.connection import BusConnection
 from shared.bus.embedded import NatsCluster, free_port
 from shared.bus.kv import Bucket
 from shared.runtime.config import parse_config
-from tests.helpers import EchoCall, Stack, call_records, stream_for
+from tests.support.bus import call_records
+from tests.support.calls import EchoCall, stream_for
+from tests.support.stack import Stack
 
 CONFIG: dict[str, Any] = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0, "retention": {"replicas": 3}}
 CALLS = 6

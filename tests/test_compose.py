@@ -31,7 +31,10 @@ import yaml
 from models.echo import FRAME
 from shared.bus import subjects, wire
 from shared.bus.embedded import free_port
-from tests.helpers import REPO, WS, call_records, echo_bytes, pcm, pcm_file
+from tests.support import REPO
+from tests.support.audio import echo_bytes, pcm, pcm_file
+from tests.support.bus import call_records
+from tests.support.client import WS
 
 COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")
 FILES = ["-f", "docker-compose.yml", "-f", "tests/compose.test.yml"]  # the test's override publishes NATS on loopback

@@ -148,6 +148,19 @@ def test_refused_assignment_fails_the_call() -> None:
     assert fins(acts)[0].status == 503
 
 
+def test_a_refusal_from_a_worker_the_call_has_left_is_ignored() -> None:
+    """w1 is lost before its assignment failed (it was asked again and again meanwhile: no
+    responders); the call is on w2 now, and w1's late failure must not end it."""
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    c.handle(opened("a"))
+    c.handle(hb("w2", PARTS))
+    c.handle(core.WorkerLost("w1"))
+    assert set(c.calls["a"].placement.values()) == {"w2"}
+    assert fins(c.handle(core.AssignResult("a", "w1", tuple(PARTS), False, "no responders"))) == []
+    assert "a" in c.calls and c.calls["a"].state is not core.CallState.FINISHED
+
+
 def test_restore_from_records_carries_on() -> None:
     c = conductor()
     c.handle(hb("w1", PARTS))

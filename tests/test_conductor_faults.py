@@ -9,7 +9,9 @@ import os
 import signal
 
 from shared.bus.embedded import NatsServer
-from tests.helpers import EchoCall, Stack, own_nats_server, running_stack, stream_for
+from tests.support.bus import own_nats_server
+from tests.support.calls import EchoCall, stream_for
+from tests.support.stack import Stack, running_stack
 
 LIVENESS_S = 3.0
 CONFIG = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": LIVENESS_S}

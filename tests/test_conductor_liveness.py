@@ -16,7 +16,7 @@ from services.worker.service import WorkerService
 from shared.bus import subjects
 from shared.runtime.config import parse_config
 from shared.runtime.errors import BusUnavailable
-from tests.helpers import own_nats_server
+from tests.support.bus import own_nats_server
 
 INF = float("inf")  # the rules of revisions, with no stall detection (these tests jump the clock)
 

@@ -13,7 +13,7 @@ from services.conductor.retention import BATCH, GRACE_S, Janitor, started_s
 from services.conductor.service import ConductorService
 from shared.bus import subjects
 from shared.runtime.config import parse_config
-from tests.helpers import bus_client, own_nats_server
+from tests.support.bus import bus_client, own_nats_server
 from tests.test_conductor_core import PARTS, ack_all, conductor, fins, hb, opened
 
 NOW = 1_700_000_000.0  # wall clock, seconds

@@ -9,6 +9,7 @@ import pytest
 
 from models.echo import EchoModel
 from services.worker.engine import (
+    Action,
     Engine,
     FailCall,
     LocalPipeline,
@@ -173,7 +174,7 @@ def test_end_of_stream_finishes_with_edge_end_and_done() -> None:
     e.push("a", "in", 1, item(1))
     e.end("a", "in", 2)
     e.push("a", "in", 0, item(0))
-    actions: list = []
+    actions: list[Action] = []
     while e.has_work():
         actions.extend(e.step())
     edge_items = [a for a in actions if isinstance(a, PublishEdgeItem)]
@@ -189,7 +190,7 @@ def test_wants_step_keeps_a_call_alive_after_its_input_ended() -> None:
     e, _ = make()
     e.add_call("a", {"ticks": 3})
     e.end("a", "in", 0)
-    actions: list = []
+    actions: list[Action] = []
     steps = 0
     while e.has_work():
         actions.extend(e.step())

@@ -5,12 +5,8 @@ against the sent audio, over generate-ws, and over realtime where the frontend s
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,16 +14,8 @@ import websockets
 from websockets.exceptions import InvalidStatus
 
 from shared.sdk.audio import encode_wav
-from tests.helpers import Stack, running_stack
-
-
-def eval_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "duplexbus.cli", "eval", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def results(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    return recs, json.loads((out / "summary.json").read_text())
+from tests.support.eval import eval_cli, results
+from tests.support.stack import Stack, running_stack
 
 
 def echo_corpus(folder: Path) -> list[np.ndarray]:

@@ -26,7 +26,8 @@ from clients.eval.core import Bounds, Failure, Stage
 from clients.eval.protocols import COMMIT_EMPTY, Realtime
 from clients.eval.runner import Options, Outcome, Sample, run_sample
 
-pytestmark = pytest.mark.timeout(60)
+# slow: in one process, but the runner's stall bounds are waited out for real (about 30 s in all).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
 RATE = 16000
 CLIP = (np.arange(RATE // 2) % 200 - 100).astype("<i2")  # 0.5 s

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import running_stack
-from tests.test_eval_e2e import eval_cli, results
+from tests.support.eval import eval_cli, results
+from tests.support.stack import running_stack
 
 
 @pytest.mark.slow

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from models.echo import FRAME
-from tests.helpers import WS, Stack, call_records, echo_bytes, pcm_file
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.bus import call_records
+from tests.support.client import WS
+from tests.support.stack import Stack
 
 
 @pytest.fixture

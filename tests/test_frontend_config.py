@@ -15,6 +15,7 @@ import yaml
 
 from models.echo import EchoModel
 from shared.runtime.config import (
+    AuthConfig,
     RealtimeConfig,
     RetentionConfig,
     ServingConfig,
@@ -24,8 +25,8 @@ from shared.runtime.config import (
     parse_config,
 )
 from shared.runtime.errors import ConfigError
-from tests.helpers import REPO
 from tests.protocol_model import AUDIO_MAX, DuoModel, argv
+from tests.support import REPO
 
 
 def test_defaults() -> None:
@@ -180,7 +181,7 @@ def test_every_config_key_is_documented() -> None:
     defaults = ServingConfig()
     for name in ServingConfig.__struct_fields__:
         value = getattr(defaults, name)
-        if isinstance(value, RetentionConfig | RealtimeConfig):
+        if isinstance(value, RetentionConfig | RealtimeConfig | AuthConfig):
             expected[name] = ...
             for sub in type(value).__struct_fields__:
                 expected[f"{name}.{sub}"] = getattr(value, sub)

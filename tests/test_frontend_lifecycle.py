@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import websockets
 
-from tests.helpers import WS, Stack, pcm_file, running_stack
+from tests.support.audio import pcm_file
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 DRAIN_S = 4.0
 CONFIG = {"model": "echo", "shutdown_drain_s": DRAIN_S}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from models.echo import FRAME, EchoModel
-from services.frontend.calls import CallInput, InputState
+from services.frontend.calls import CallInput, InputState, Prepared
 from services.frontend.protocol import AbortCall, Append, EndInput, Opening, ParseError, parse_message
 from shared.runtime.errors import BadRequest, LimitExceeded
 from shared.sdk.audio import Framer, encode_wav
@@ -141,8 +141,12 @@ def echo_input(max_items: int | None = None, max_bytes: int = 1 << 30) -> CallIn
     return CallInput(EchoModel(), {"audio_in": max_items}, max_bytes, now=0.0)
 
 
-def items_of(p: object) -> list[np.ndarray]:
-    return [item.data for _, _, item in p.items]  # type: ignore[attr-defined]
+def items_of(p: Prepared) -> list[np.ndarray]:
+    data = []
+    for _, _, item in p.items:
+        assert item.data is not None  # an audio item always carries its samples
+        data.append(item.data)
+    return data
 
 
 def test_framing_carries_the_remainder_across_appends_of_any_size() -> None:
@@ -173,7 +177,8 @@ def test_flush_pads_the_remainder_at_end_of_input() -> None:
     assert p.ended == {"audio_in": 3} and len(p.items) == 1 and p.items[0][1] == 2
     last = items_of(p)[0]
     assert len(last) == FRAME and last[:440].tolist() == list(range(2561, 3001)) and not last[440:].any()
-    assert ci.state is InputState.INPUT_ENDED
+    # mypy keeps ci.state narrowed to OPEN by the assert above across end_input(), which changes it.
+    assert ci.state is InputState.INPUT_ENDED  # type: ignore[comparison-overlap]
     # A stream ending on a whole item gets no padding item.
     ci = echo_input()
     p = ci.accept(pcm(np.ones(2 * FRAME)), opening=True, end=True, now=0.0)
@@ -334,3 +339,33 @@ def test_the_fast_append_path_reads_exactly_what_the_general_path_reads(msg: dic
     assert _same(parse_message(text.encode()), general)
     if fast:
         assert isinstance(general, Append)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 5000,
+        '{"request_id": "r", "append": ' + "[" * 5000,
+        '{"request_id": "r", "model_kwargs": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}",
+        '{"request_id": "r", "append": ' + "[" * 3000 + "]" * 3000 + "}",
+    ],
+)
+def test_json_nested_too_deeply_is_a_400(text: str) -> None:
+    """msgspec raises RecursionError for these (not a DecodeError): a 400 all the same."""
+    for one_shot in (False, True):
+        p = parse_message(text, one_shot=one_shot)
+        assert isinstance(p, ParseError) and p.error.status == 400 and "nested too deeply" in p.error.message
+
+
+def test_model_kwargs_nest_at_most_32_deep() -> None:
+    def nested(depth: int) -> dict[str, object]:
+        d: dict[str, object] = {"leaf": [1, 2]}  # the list is one level more
+        for _ in range(depth - 2):
+            d = {"k": d}
+        return d
+
+    ok = parse({"request_id": "r", "model_kwargs": nested(32)})
+    assert isinstance(ok, Opening)
+    deep = parse({"request_id": "r", "model_kwargs": nested(33)})
+    assert isinstance(deep, ParseError) and "model_kwargs nest deeper than 32 levels" in deep.error.message
+    assert isinstance(parse({"request_id": "r", "append": {"model_kwargs": nested(40)}}), ParseError)

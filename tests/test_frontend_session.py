@@ -11,29 +11,33 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from services.frontend.app import SocketSession
 from services.frontend.calls import CallInput, InputState
+from services.frontend.outbox import Outbox
 from services.frontend.service import Call, FrontendService
-from services.frontend.websocket import SEND_NOW
+from services.frontend.session import SocketSession
+from shared.bus import subjects
 from shared.runtime.config import parse_config
+from shared.runtime.errors import BusTimeout
 
 
 class FakeWS:
+    """A socket's outbox that records what is written to it."""
+
     def __init__(self) -> None:
         self.sent: list[bytes] = []
-        self.scope: dict[str, Any] = {"extensions": {SEND_NOW: self.sent.append}}
+        self.outbox = Outbox(self.sent.append)
 
 
 async def test_an_ended_call_is_forgotten_by_its_socket() -> None:
     cfg = parse_config({"model": "echo", "nats_url": "nats://127.0.0.1:1"})
     svc = FrontendService(cfg)
     ws = FakeWS()
-    session = SocketSession(ws, svc)  # type: ignore[arg-type]
+    session = SocketSession(ws.outbox, svc)
     model = svc.model(None)
     for i in range(3):
         rid = f"r{i}"
         inp = CallInput(model, {"audio_in": None}, cfg.max_call_input_bytes, time.monotonic())
-        call = Call(f"cid{i}", rid, inp, session.send, session, True, on_end=session._forget)
+        call = Call(f"cid{i}", rid, inp, session.outbox, True, on_end=session._forget)
         svc.calls[call.cid] = call
         session.calls[rid] = call
         await svc._cleanup(call, {"finish": {"reason": "completed"}})
@@ -41,6 +45,13 @@ async def test_an_ended_call_is_forgotten_by_its_socket() -> None:
     assert session.calls == {} and svc.calls == {}
     assert len(ws.sent) == 3  # each call's last message still went out
     await svc.tasks.close()
+
+
+class StubCall:
+    def __init__(self, cid: str, request_id: str | None, live: bool) -> None:
+        self.cid, self.request_id, self.live = cid, request_id, live
+        self.input = SimpleNamespace(state=InputState.OPEN)
+        self.ended = asyncio.Event()
 
 
 class SlowOpens:
@@ -52,12 +63,11 @@ class SlowOpens:
         self.gates: dict[str, asyncio.Event] = {}
         self.log: list[str] = []
 
-    async def open_call(self, o: Any, sink: Any, owner: Any, on_end: Any = None) -> Any:
+    async def open_call(self, o: Any, sink: Any, on_end: Any = None) -> Any:
         self.log.append(f"open {o.request_id}")
         gate = self.gates.setdefault(o.request_id, asyncio.Event())
         await gate.wait()
-        call = SimpleNamespace(cid=f"c-{o.request_id}", request_id=o.request_id, owner=owner, live=True)
-        call.input = SimpleNamespace(state=InputState.OPEN)
+        call = StubCall(f"c-{o.request_id}", o.request_id, live=o.end_input is None)
         self.calls[call.cid] = call
         self.log.append(f"opened {o.request_id}")
         return call
@@ -81,7 +91,7 @@ async def test_a_slow_opening_holds_up_only_its_own_call() -> None:
     """Call b is opening (its round trips to the bus take a while); call a, live on the same
     socket, goes on appending meanwhile, and b's own append waits for b's opening."""
     svc = SlowOpens()
-    session = SocketSession(FakeWS(), svc)  # type: ignore[arg-type]
+    session = SocketSession(FakeWS().outbox, svc)  # type: ignore[arg-type]
     svc.gates["a"] = asyncio.Event()
     svc.gates["a"].set()
     await session.handle(_msg(request_id="a"))
@@ -101,7 +111,7 @@ async def test_a_slow_opening_holds_up_only_its_own_call() -> None:
 
 async def test_a_call_that_opens_after_its_socket_closed_is_aborted() -> None:
     svc = SlowOpens()
-    session = SocketSession(FakeWS(), svc)  # type: ignore[arg-type]
+    session = SocketSession(FakeWS().outbox, svc)  # type: ignore[arg-type]
     await asyncio.wait_for(session.handle(_msg(request_id="late")), 1)
     await asyncio.sleep(0)
     closing = asyncio.create_task(session.close())
@@ -110,3 +120,84 @@ async def test_a_call_that_opens_after_its_socket_closed_is_aborted() -> None:
     svc.gates["late"].set()
     await asyncio.wait_for(closing, 5)
     assert svc.log == ["open late", "opened late", "abort late 499"] and svc.calls == {}
+
+
+async def test_a_closed_socket_aborts_its_own_calls_one_shots_first() -> None:
+    """The session holds its calls, a one-shot without a request_id too; the service is not
+    asked whose they are."""
+    svc = SlowOpens()
+    for rid in ("live", None):
+        svc.gates.setdefault(rid, asyncio.Event()).set()  # type: ignore[arg-type]
+    session = SocketSession(FakeWS().outbox, svc)  # type: ignore[arg-type]
+    await session.handle(_msg(request_id="live"))
+    await session.handle(_msg(files=APPEND, end_input=True))  # a one-shot, no request_id
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert session.live("live") is not None and len(session.unnamed) == 1
+    await session.close()
+    assert svc.log[-2:] == ["abort None 499", "abort live 499"] and svc.calls == {}
+
+
+async def test_a_call_that_ended_while_it_opened_is_not_kept() -> None:
+    svc = SlowOpens()
+    svc.gates["gone"] = asyncio.Event()
+    svc.gates["gone"].set()
+    real = svc.open_call
+
+    async def ends_at_once(o: Any, sink: Any, on_end: Any = None) -> Any:
+        call = await real(o, sink, on_end)
+        call.ended.set()
+        on_end(call)  # as the service does when a call ends: the session forgets it
+        return call
+
+    svc.open_call = ends_at_once  # type: ignore[method-assign]
+    session = SocketSession(FakeWS().outbox, svc)  # type: ignore[arg-type]
+    await session.handle(_msg(request_id="gone"))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert session.live("gone") is None and not session.has_calls
+
+
+class FakeBus:
+    """The bus as the service uses it to end a call: a store that fails, a request_id bucket
+    that records what it frees."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.kv = {subjects.KV_REQUEST_IDS: self}
+
+    async def store(self, subject: str, body: bytes) -> None:
+        raise BusTimeout(f"storing {subject}", "no answer in time")
+
+    async def release(self, key: str, owner: bytes, revision: int = 0) -> None:
+        self.released.append(key)
+
+
+def _service_on(bus: FakeBus) -> FrontendService:
+    svc = FrontendService(parse_config({"model": "echo", "nats_url": "nats://127.0.0.1:1"}))
+    svc._bus = bus  # type: ignore[assignment]
+    return svc
+
+
+async def test_an_abort_that_is_not_published_is_logged(caplog: Any) -> None:
+    svc = _service_on(FakeBus())
+    inp = CallInput(svc.model(None), {"audio_in": None}, svc.config.max_call_input_bytes, time.monotonic())
+    call = Call("cid-x", "r", inp, FakeWS().outbox, True)
+    svc.calls[call.cid] = call
+    with caplog.at_level("WARNING"):
+        await svc.abort(call, "socket closed", 499)
+    assert call.ended.is_set() and not svc.calls
+    assert "call cid-x: its abort (socket closed) was not published: storing call.cid-x.abort" in caplog.text
+    await svc.tasks.close()
+
+
+async def test_only_a_call_with_a_request_id_frees_one() -> None:
+    bus = FakeBus()
+    svc = _service_on(bus)
+    model = svc.model(None)
+    for cid, rid in (("cid-r", "r"), ("cid-none", None)):
+        call = Call(cid, rid, CallInput(model, {"audio_in": None}, 1 << 20, time.monotonic()), FakeWS().outbox, rid is not None)
+        svc.calls[cid] = call
+        await svc._cleanup(call)
+    assert bus.released == ["r"]  # no attempt on key "" (or None) for the one-shot without one
+    await svc.tasks.close()

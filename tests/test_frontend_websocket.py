@@ -5,17 +5,19 @@ MAX_INBOUND waiting messages, and a client over max_send_buffer is dropped."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 from uvicorn.config import Config
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.server import ServerState
-from websockets.frames import Frame, Opcode
+from websockets.frames import Close, Frame, Opcode
 from websockets.protocol import CLIENT
 from websockets.protocol import Protocol as WsProtocol
 
-from services.frontend.websocket import MAX_INBOUND, SEND_NOW, FrontendWebSocketProtocol
+from services.frontend.limits import Guard, Limits
+from services.frontend.websocket import GUARD, MAX_INBOUND, OUTLET, SEND_NOW, FrontendWebSocketProtocol
 
 HANDSHAKE = (
     b"GET /generate/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -27,6 +29,7 @@ class RecordingTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.writes: list[bytes] = []
+        self.buffered = 0  # what the client has not read (get_write_buffer_size)
         self.paused = 0
         self.resumed = 0
         self.aborted = False
@@ -35,7 +38,10 @@ class RecordingTransport(asyncio.Transport):
         self.writes.append(bytes(data))
 
     def get_write_buffer_size(self) -> int:
-        return 0
+        return self.buffered
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
 
     def is_closing(self) -> bool:
         return self.aborted
@@ -56,11 +62,11 @@ class RecordingTransport(asyncio.Transport):
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5000)}.get(name, default)
 
 
-async def _accepted(max_send_buffer: int = 1 << 20) -> tuple[FrontendWebSocketProtocol, RecordingTransport, dict]:
+async def _accepted(max_send_buffer: int = 1 << 20) -> tuple[FrontendWebSocketProtocol, RecordingTransport, dict[str, Any]]:
     """A protocol past the handshake, with an app that accepts and then only listens."""
-    scopes: list[dict] = []
+    scopes: list[dict[str, Any]] = []
 
-    async def app(scope: dict, receive: Any, send: Any) -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         scopes.append(scope)
         await receive()  # websocket.connect
         await send({"type": "websocket.accept"})
@@ -122,3 +128,120 @@ async def test_client_over_the_send_buffer_is_dropped() -> None:
     assert transport.aborted
     proto.connection_lost(None)
     assert proto.queue.get_nowait() == {"type": "websocket.disconnect", "code": 1005}  # the app hears of it
+
+
+# -- limits (limits.Guard) and flow control ----------------------------------------
+async def _guarded(limits: Limits) -> tuple[FrontendWebSocketProtocol, RecordingTransport, dict[str, Any], Guard]:
+    guard = Guard(limits)
+    scopes: list[dict[str, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scopes.append(scope)
+        await receive()
+        await send({"type": "websocket.accept"})
+        await asyncio.Event().wait()
+
+    config = Config(app=app, ws_per_message_deflate=False, log_level="warning")
+    config.load()
+    proto = FrontendWebSocketProtocol(config=config, server_state=ServerState(), app_state={GUARD: guard})
+    transport = RecordingTransport()
+    proto.connection_made(transport)
+    proto.data_received(HANDSHAKE)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    transport.writes.clear()
+    return proto, transport, scopes[0], guard
+
+
+def _limits(**kw: Any) -> Limits:
+    base: dict[str, Any] = dict(
+        max_connections=10,
+        memory_bytes=1 << 30,
+        send_buffer_bytes=10_000,
+        header_timeout_s=10,
+        message_timeout_s=1.0,
+        send_timeout_s=5.0,
+        idle_timeout_s=60,
+    )
+    return Limits(**{**base, **kw})
+
+
+def _fragment(data: bytes, first: bool) -> bytes:
+    client = WsProtocol(CLIENT)
+    if first:
+        client.send_text(data, fin=False)
+    else:  # a continuation: the client protocol must believe a message is under way
+        client.send_text(b"", fin=False)
+        client.data_to_send()
+        client.send_continuation(data, fin=False)
+    return b"".join(client.data_to_send())
+
+
+def _close_frame(transport: RecordingTransport) -> tuple[int, str]:
+    reader = WsProtocol(CLIENT)
+    reader.receive_data(b"".join(transport.writes))
+    for e in reader.events_received():
+        if isinstance(e, Frame) and e.opcode is Opcode.CLOSE:
+            c = Close.parse(e.data)
+            return c.code, c.reason
+    raise AssertionError("no close frame")
+
+
+async def test_an_unfinished_message_is_accounted_and_ends_with_1008() -> None:
+    proto, transport, _, guard = await _guarded(_limits())
+    proto.data_received(_fragment(b"x" * 50_000, first=True))
+    proto.data_received(_fragment(b"y" * 50_000, first=False))
+    assert guard.total >= 100_000  # both fragments held, and reported
+    load = proto.load(time.monotonic())
+    assert load.input >= 100_000 and load.message_since is not None
+    shed = guard.sweep(time.monotonic() + 1.5)
+    assert [(c, w.key) for c, w in shed] == [(proto, "message_timeout_s")]
+    proto.shed(shed[0][1])
+    assert _close_frame(transport)[0] == 1008 and proto.frames == []
+    assert proto.queue.get_nowait() == {"type": "websocket.disconnect", "code": 1008, "reason": shed[0][1].reason}
+    assert not transport.aborted  # the closing handshake lingers: what the client still sends is read
+    proto.data_received(_fragment(b"z" * 50_000, first=False))
+    assert proto.frames == []  # and dropped
+    proto.connection_lost(None)
+    assert guard.total == 0 and len(guard) == 0
+
+
+async def test_over_the_budget_the_newest_socket_gets_1013() -> None:
+    old, t_old, _, guard = await _guarded(_limits(memory_bytes=150_000))
+    new, t_new, _, _ = await _guarded(_limits())  # a guard of its own: adopt it into the first
+    guard.adopt(new)
+    new.guard = guard
+    old.guard = guard
+    old.data_received(_fragment(b"a" * 100_000, first=True))
+    new.data_received(_fragment(b"b" * 100_000, first=True))  # 200 KB against 150 KB: the newest goes
+    assert _close_frame(t_new)[0] == 1013 and not t_old.writes
+    assert guard.total < 150_000
+
+
+async def test_outputs_pause_past_the_send_buffer_and_resume_at_half() -> None:
+    proto, transport, scope, _ = await _guarded(_limits(send_buffer_bytes=10_000))
+    outlet = scope["extensions"][OUTLET]
+    room: list[int] = []
+    outlet.on_room = lambda: room.append(1)
+    transport.buffered = 12_000  # the client has not read this much
+    assert not outlet.has_room()
+    proto.pause_writing()
+    transport.buffered = 4_000
+    proto.resume_writing()  # the transport drained below its low-water mark (half the bound)
+    assert room == [1] and outlet.has_room()
+    proto.connection_lost(None)
+
+
+async def test_a_client_that_reads_nothing_is_found_stalled_and_a_ping_behind_output_waits() -> None:
+    proto, transport, _, guard = await _guarded(_limits(send_timeout_s=5.0))
+    t0 = time.monotonic()
+    transport.buffered = 50_000
+    assert proto.load(t0).stalled_since is not None
+    proto.keepalive_timeout()  # no pong yet: it waits behind what the client has not read
+    assert not transport.aborted and proto.pong_timer is not None
+    proto.pong_timer.cancel()
+    shed = guard.sweep(t0 + 6.0)
+    assert [w.key for _, w in shed] == ["send_timeout_s"] and shed[0][1].drop
+    proto.shed(shed[0][1])
+    assert transport.aborted  # dropped: a close frame would wait behind the rest
+    proto.connection_lost(None)

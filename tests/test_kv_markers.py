@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import nats
+import pytest
 from nats.js.api import StreamConfig
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from shared.bus import kv as kv_module
 from shared.bus import subjects
-from tests.helpers import EchoCall, bus_client, running_stack
+from shared.runtime.errors import KeyTaken
+from tests.support.bus import bus_client
+from tests.support.calls import EchoCall
+from tests.support.stack import running_stack
 
 CALLS = 20
 
@@ -66,3 +73,43 @@ async def test_a_bucket_made_without_message_ttls_is_given_them(nats_url: str) -
     finally:
         await js.delete_stream("KV_duplex_old")
         await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("expires_after_write", "expires_before_write"),
+    [(1, 0), (0, 2)],
+    ids=["between-the-write-and-the-read", "between-the-read-and-the-write"],
+)
+async def test_a_create_over_a_marker_that_expires_meanwhile_succeeds(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, expires_after_write: int, expires_before_write: int
+) -> None:
+    """A create over a removed key finds its marker, reads the marker's revision, and writes
+    on it. The marker expiring (MARKER_TTL_S) between those steps made nats-py's create fail
+    with "key not found" or "the key exists": seen reusing request_ids under load. The
+    expiry is played here by purging the key at that moment."""
+    real_update = KeyValue._update
+    writes = 0
+
+    async def expiring(self: KeyValue, key: str, value: bytes, last: int | None = None, **kw: Any) -> int:
+        nonlocal writes
+        writes += 1
+        if writes == expires_before_write:
+            await self._js.purge_stream(self._stream, subject=f"{self._pre}{key}")
+        try:
+            return int(await real_update(self, key, value, last=last, **kw))
+        except KeyWrongLastSequenceError:
+            if writes == expires_after_write:
+                await self._js.purge_stream(self._stream, subject=f"{self._pre}{key}")
+            raise
+
+    async with bus_client(nats_url, "create-race") as bus:
+        bucket = await bus.bucket(subjects.KV_REQUEST_IDS)
+        key = f"race-{expires_after_write}-{expires_before_write}"
+        await bucket.delete(key, last=await bucket.create(key, b"first call"))
+        monkeypatch.setattr(KeyValue, "_update", expiring)
+        await bucket.create(key, b"second call")
+        entry = await bucket.get(key)
+        assert entry is not None and entry.value == b"second call"
+        with pytest.raises(KeyTaken):  # a live key is still refused
+            await bucket.create(key, b"third call")
+        await bucket.delete(key)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from models.echo import FRAME
-from tests.helpers import WS, echo_bytes, nothing_for, pcm_file, running_stack
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.client import WS, nothing_for
+from tests.support.stack import running_stack
 
 
 async def test_input_before_any_worker_is_not_lost(nats_url: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,28 +16,8 @@ import pytest
 
 from shared.bus.embedded import free_port
 from shared.sdk.audio import encode_wav
-from tests.helpers import REPO
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def procs_mentioning(text: str) -> list[str]:
-    """Processes whose command line or environment mentions `text`."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd or text in env:
-            out.append(f"{pid}: {cmd}")
-    return out
+from tests.support import REPO
+from tests.support.stack import listening, procs_mentioning
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

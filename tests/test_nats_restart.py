@@ -8,7 +8,10 @@ import numpy as np
 
 from models.echo import FRAME
 from shared.bus.embedded import NatsServer
-from tests.helpers import WS, Stack, echo_bytes, own_nats_server, pcm_file
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.bus import own_nats_server
+from tests.support.client import WS
+from tests.support.stack import Stack
 
 
 async def test_server_killed_and_restarted_mid_call() -> None:

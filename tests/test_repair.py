@@ -164,7 +164,7 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
     from services.frontend.protocol import Append, EndInput, Opening
     from services.frontend.service import FrontendService
     from shared.sdk.model import ClientFile, ClientInput
-    from tests.helpers import Stack
+    from tests.support.stack import Stack
 
     stack = Stack(nats_url, {"model": "echo"})
     fe = FrontendService(parse_config({"nats_url": nats_url, "model": "echo"}))
@@ -186,13 +186,20 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
         got: list[Any] = []
         finished = asyncio.Event()
 
-        def sink(msg: Any) -> None:
-            got.append(msg)
-            if isinstance(msg, dict) and ("finish" in msg or "error" in msg):
-                finished.set()
+        class Sink:
+            def send(self, msg: Any) -> None:
+                got.append(msg)
+                if isinstance(msg, dict) and ("finish" in msg or "error" in msg):
+                    finished.set()
+
+            def has_room(self) -> bool:
+                return True
+
+            def when_room(self, key: str, then: Any) -> None:
+                pass
 
         samples = np.arange(10 * 1280, dtype=np.int64).astype("<i2")
-        call = await fe.open_call(Opening("lossy", "echo", ClientInput()), sink, object())
+        call = await fe.open_call(Opening("lossy", "echo", ClientInput()), Sink())
         await fe.append(call, Append("lossy", ClientInput(files=[ClientFile("a.pcm", samples.tobytes())])))
         await fe.end_input(call, EndInput("lossy", True))
         await asyncio.wait_for(finished.wait(), 15)

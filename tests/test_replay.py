@@ -25,7 +25,9 @@ from shared.bus import subjects, wire
 from shared.bus.embedded import NatsServer
 from shared.bus.history import Stored, _ack_fields
 from shared.sdk.chunking import Item
-from tests.helpers import WS, Stack, padded, pcm_file, running_stack
+from tests.support.audio import padded, pcm_file
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 SAMPLES = (np.arange(5 * FRAME) % 700 - 350).astype("<i2")
 

@@ -17,7 +17,8 @@ import nats
 
 from services.conductor import retention
 from shared.bus import subjects
-from tests.helpers import EchoCall, Stack, running_stack, stream_for
+from tests.support.calls import EchoCall, stream_for
+from tests.support.stack import Stack, running_stack
 
 MAX_BYTES = 256 * 1024  # a background call of 40 frames puts about 0.3 MB through the stream
 HARD_MAX_BYTES = 1024 * 1024  # the long call alone (150 frames) outgrows it

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,11 +11,11 @@ import numpy as np
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from duplexbus.supervisor import saved_nats_url
 from models.echo import FRAME
 from shared.bus import subjects, wire
-from shared.bus.embedded import free_port
-from tests.helpers import WS, echo_bytes, pcm_file
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.client import WS
+from tests.support.stack import UpStack
 
 
 async def stored(url: str, subject: str) -> list[bytes]:
@@ -52,19 +48,11 @@ async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate:
     """`up --frontends 2 --workers 2`: both frontends serve on the one port and take calls, and
     calls spread over both workers of each partition. With `--colocate` the two worker
     processes each run both partitions."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
-    cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", "echo", "--frontends", "2", "--workers", "2"]
-    cmd += ["--port", str(port), "--run-dir", str(tmp_path / "run")] + (["--colocate"] if colocate else [])
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stack = await asyncio.to_thread(UpStack, "echo", frontends=2, workers=2, colocate=colocate, folder=tmp_path)
     try:
-        assert proc.stdout is not None
-        while "serving" not in (line := await asyncio.to_thread(proc.stdout.readline)):
-            assert line, "duplexbus up exited before serving"
-        url = saved_nats_url(tmp_path / "run")
-        assert url is not None
+        url = stack.nats_url
         # One socket per call: the kernel hands each new connection to one of the frontends.
-        sockets = [await WS.connect(f"ws://127.0.0.1:{port}/generate/ws") for _ in range(16)]
+        sockets = [await WS.connect(stack.ws_url()) for _ in range(16)]
         samples = (np.arange(10 * FRAME) % 9000).astype("<i2")
 
         async def call(i: int) -> None:
@@ -89,5 +77,4 @@ async def test_two_frontends_two_workers_per_partition(tmp_path: Path, colocate:
         for ws in sockets:
             await ws.close()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(40)
+        stack.close()

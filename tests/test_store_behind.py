@@ -17,7 +17,7 @@ from services.worker.service import WorkerService
 from shared.bus import subjects, wire
 from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import parse_config
-from tests.helpers import own_nats_server
+from tests.support.bus import own_nats_server
 
 
 async def test_messages_are_stored_in_order_and_then_runs_after_its_store() -> None:

@@ -18,20 +18,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nats
 import numpy as np
 import pytest
 import yaml
+from nats.aio.client import Client
 from nats.errors import NoServersError
 
 from duplexbus.supervisor import saved_nats_url
 from models.echo import FRAME
 from shared.bus.embedded import NatsServer, StoreInUse, free_port
-from tests.helpers import WS, echo_bytes, own_nats_server, pcm_file
-from tests.test_make_up import listening, procs_mentioning
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.bus import own_nats_server
+from tests.support.client import WS
+from tests.support.stack import UpStack, listening, procs_mentioning
 
 PY = [sys.executable, "-m", "duplexbus.cli"]
 
@@ -42,56 +45,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-class Up:
-    """`duplexbus up --model echo` in its own run directory, read line by line."""
-
-    def __init__(self, run_dir: Path, port: int, drain_s: float = 1.0) -> None:
-        self.run_dir, self.port = run_dir, port
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfg = run_dir.parent / f"up-{port}.yaml"
-        cfg.write_text(yaml.safe_dump({"model": "echo", "shutdown_drain_s": drain_s, "heartbeat_s": 0.5}))
-        cmd = [*PY, "up", "--model", "echo", "--port", str(port), "--run-dir", str(run_dir), "--config", str(cfg)]
-        self.proc = subprocess.Popen(
-            cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        self.lines: list[str] = []
-
-    def wait_for(self, text: str, timeout: float = 90) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError("duplexbus up exited:\n" + "".join(self.lines))
-            self.lines.append(line)
-            if text in line:
-                return line
-        raise TimeoutError(f"no {text!r} from duplexbus up:\n" + "".join(self.lines))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 @pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
-    u = Up(tmp_path / "run", free_port())
-    try:
-        u.wait_for("serving")
+def up(tmp_path: Path) -> Iterator[UpStack]:
+    """`duplexbus up --model echo` in its own run directory, serving."""
+    config = {"shutdown_drain_s": 1.0, "heartbeat_s": 0.5}
+    with UpStack("echo", config=config, folder=tmp_path, log_level=None) as u:
         yield u
-    finally:
-        u.stop()
 
 
-def wait_until(check: object, timeout: float, what: str) -> None:
+def wait_until(check: Callable[[], object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
+        if check():
             return
         time.sleep(0.2)
     raise TimeoutError(what)
@@ -109,7 +74,7 @@ async def echo_call(port: int, rid: str) -> None:
         await ws.close()
 
 
-def test_a_killed_supervisor_takes_every_child_with_it(up: Up) -> None:
+def test_a_killed_supervisor_takes_every_child_with_it(up: UpStack) -> None:
     nats_port = int(up.lines[0].split(" on ")[1].split(",")[0].rsplit(":", 1)[1])
     assert procs_mentioning(str(up.run_dir))  # the children (and the nats-server's store flag) name it
     os.kill(up.proc.pid, signal.SIGKILL)  # the supervisor alone, not its group
@@ -119,7 +84,7 @@ def test_a_killed_supervisor_takes_every_child_with_it(up: Up) -> None:
     assert not listening(up.port) and not listening(nats_port)
 
 
-def test_a_second_up_on_a_taken_port_refuses_at_once_and_starts_nothing(up: Up, tmp_path: Path) -> None:
+def test_a_second_up_on_a_taken_port_refuses_at_once_and_starts_nothing(up: UpStack, tmp_path: Path) -> None:
     other = tmp_path / "other"
     start = time.monotonic()
     second = subprocess.run(
@@ -137,7 +102,7 @@ def test_a_second_up_on_a_taken_port_refuses_at_once_and_starts_nothing(up: Up, 
     assert not (other / "nats").exists()  # no nats-server was started
 
 
-def test_a_second_up_on_a_held_nats_store_refuses(up: Up) -> None:
+def test_a_second_up_on_a_held_nats_store_refuses(up: UpStack) -> None:
     second = subprocess.run(
         [*PY, "up", "--model", "echo", "--port", str(free_port()), "--run-dir", str(up.run_dir)],
         env=_env(),
@@ -161,10 +126,12 @@ def test_an_embedded_store_is_held_by_one_server_at_a_time(tmp_path: Path) -> No
             pass
 
 
-async def test_the_embedded_server_wants_credentials_and_comes_back_when_killed(up: Up) -> None:
+async def test_the_embedded_server_wants_credentials_and_comes_back_when_killed(up: UpStack) -> None:
     nats_url = up.lines[0].split(" on ")[1].split(",")[0]  # as printed: no credentials
+    third_party = Client()  # its own object: nats-py leaves a refused first attempt's socket open
     with pytest.raises((nats.errors.Error, NoServersError, OSError)):  # a third party: refused
-        await nats.connect(nats_url, allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=2)
+        await third_party.connect(nats_url, allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=2)
+    await third_party.close()
     saved = saved_nats_url(up.run_dir)
     assert saved is not None and "@" in saved
     assert (up.run_dir / "nats.url").stat().st_mode & 0o077 == 0  # readable by this user alone
@@ -177,13 +144,13 @@ async def test_the_embedded_server_wants_credentials_and_comes_back_when_killed(
     await echo_call(up.port, "after-restart")  # the services reconnected to the restarted server
 
 
-def test_replay_finds_the_embedded_server_after_up_and_fails_fast_without_one(up: Up, tmp_path: Path) -> None:
+def test_replay_finds_the_embedded_server_after_up_and_fails_fast_without_one(up: UpStack, tmp_path: Path) -> None:
     asyncio.run(echo_call(up.port, "for-replay"))
     listing = subprocess.run(
         [*PY, "replay", "nosuchcall", "--run-dir", str(up.run_dir)], env=_env(), capture_output=True, text=True, timeout=60
     )
     # It reached the bus with the saved URL: the answer is about the call, not about NATS.
-    assert "no messages for call nosuchcall" in listing.stdout, listing
+    assert "no call with cid or request_id 'nosuchcall'" in listing.stdout, listing
     start = time.monotonic()
     down = subprocess.run(
         [*PY, "replay", "x", "--nats-url", "nats://127.0.0.1:1"], env=_env(), capture_output=True, text=True, timeout=60

@@ -42,6 +42,9 @@ from shared.sdk.audio import encode_wav, pcm16_from_b64
 from shared.sdk.chunking import Chunk, Item, StreamBuffer
 from shared.sdk.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
 
+# slow: in one process, but it loads silero, pocketsphinx and piper and synthesizes speech (about 15 s).
+pytestmark = pytest.mark.slow
+
 WER_SENTENCES = SAMPLE_SENTENCES
 # Measured on this machine: WER 0.163 (8 errors / 49 words) with models.voice_assistant.clips.CLIP_SEED, the
 # same on every run; the bound leaves room for another onnxruntime / pocketsphinx build.
@@ -85,7 +88,8 @@ class Sim:
             }
         self.calls[cid] = call
         self.outputs[cid], self.usage[cid], self.done_at[cid] = [], {}, {}
-        return call["start"]
+        start: float = call["start"]
+        return start
 
     def _feed(self) -> None:
         now = self.clock()
@@ -196,7 +200,7 @@ def check_pacing(sim: Sim, cid: str, turn: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def wer_run(model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict) -> Sim:
+def wer_run(model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]) -> Sim:
     """Every WER clip as its own call, all at once (one batched step serves them all)."""
     sim = Sim(model, parts, clock)
     for i, s in enumerate(WER_SENTENCES):
@@ -239,7 +243,9 @@ def test_reply_wording_and_wer_helpers() -> None:
     assert word_error_rate(["a b c d"], ["a x c"]) == (0.5, 2, 4)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# silero-vad loads its reference model with torch.jit.load, which torch deprecates (the Listener
+# silences the same warning around its own load).
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
 def test_vad_batched_across_calls_matches_the_reference_model(parts: dict[str, Any]) -> None:
     """Per-row state in one batch gives what silero's own per-call model gives."""
     import torch
@@ -299,7 +305,9 @@ def test_word_error_rate_over_synthesized_clips(wer_run: Sim) -> None:
     assert wer <= WER_BOUND
 
 
-def test_two_turns_get_two_replies(model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict) -> None:
+def test_two_turns_get_two_replies(
+    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]
+) -> None:
     a, b = speech["the weather is nice today"], speech["send a message to my brother"]
     # Input ends 0.3 s after the second sentence: the Listener closes that turn at end of input.
     sim = Sim(model, parts, clock)
@@ -330,7 +338,7 @@ def test_two_turns_get_two_replies(model: VoiceAssistantModel, parts: dict[str, 
 
 
 def test_talking_over_the_reply_barges_in(
-    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict
+    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]
 ) -> None:
     a, b = speech["please call my mother tomorrow morning"], speech["what time is it"]
     # The reply to `a` (about 2.5 s) starts 0.5 s after it; `b` starts 1.5 s after it.
@@ -462,7 +470,7 @@ def test_talker_lead_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_one_call_through_the_worker_engine_cores(
-    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict
+    model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]
 ) -> None:
     """The same call through `LocalPipeline`: the worker's own engine cores, wired in memory."""
 

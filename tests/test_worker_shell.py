@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.worker.service import WorkerService
 from shared.runtime.config import parse_config
+from shared.runtime.errors import ConfigError
 
 
 def test_worker_capacity_is_the_smallest_partition_bound() -> None:
@@ -14,12 +17,9 @@ def test_worker_capacity_is_the_smallest_partition_bound() -> None:
 
 
 def test_unknown_partition_is_refused_at_start() -> None:
-    try:
+    with pytest.raises(ConfigError) as e:
         WorkerService(parse_config({}), "echo", ["Nope"])
-    except ValueError as e:
-        assert "Nope" in str(e) and "Encoder" in str(e)
-    else:
-        raise AssertionError("an unknown partition was accepted")
+    assert e.value.key == "partition" and "'Nope'" in e.value.message and "Encoder, Talker" in e.value.message
 
 
 async def test_a_partition_added_during_a_catch_up_read_gets_its_input_read_too() -> None:

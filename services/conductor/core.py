@@ -369,6 +369,8 @@ class Conductor:
         if call is None or call.state is CallState.FINISHED:
             return []
         if not ev.ok:
+            if not any(call.placement.get(p) == ev.worker_id for p in ev.partitions):
+                return []  # placed elsewhere since (that worker was lost): its refusal is old news
             return self._abort(call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True)
         call.acked.update(p for p in ev.partitions if call.placement.get(p) == ev.worker_id)
         if call.state is CallState.PLACING and call.acked >= set(call.partitions):

@@ -20,11 +20,12 @@ from shared.bus.connection import BUCKETS, BusConnection, BusMsg, Durable, condu
 from shared.bus.kv import Bucket, KvEntry
 from shared.runtime import healthfile
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import BusError, BusTimeout, DuplexError
+from shared.runtime.errors import BusError, BusTimeout, BusUnavailable, DuplexError
 from shared.runtime.process import TaskSet
 
 log = logging.getLogger(__name__)
 
+ASSIGN_RETRY_S = 0.25  # an assignment nobody was subscribed to is asked again after this
 MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered path waits
 TICK_S = 0.5  # liveness, timeouts and the janitor are looked at this often
 WATCH_POLL_S = 0.5  # a watch's wait is cut this short, to notice a reconnect or a silent watch
@@ -244,14 +245,26 @@ class ConductorService:
 
     async def _assign(self, a: core.SendAssign) -> None:
         ok, error = False, None
-        try:
-            reply = await self.bus.request(subjects.assign(a.worker_id), wire.encode(a.msg), self.config.placement_timeout_s)
-            r = wire.decode_as(reply, wire.AssignReply)
-            ok, error = r.ok, r.error
-        except BusTimeout:
-            error = "no reply"
-        except DuplexError as e:
-            error = e.message
+        deadline = time.monotonic() + self.config.placement_timeout_s
+        while True:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                reply = await self.bus.request(subjects.assign(a.worker_id), wire.encode(a.msg), left)
+                r = wire.decode_as(reply, wire.AssignReply)
+                ok, error = r.ok, r.error
+            except BusTimeout:
+                error = "no reply"
+            except BusUnavailable as e:
+                # No responders: the worker is not subscribed right now (NATS restarted and it
+                # is reconnecting, say). Ask again until the placement's time is up; a worker
+                # that is gone for good is declared lost meanwhile and the call placed elsewhere.
+                if time.monotonic() + ASSIGN_RETRY_S < deadline:
+                    await asyncio.sleep(ASSIGN_RETRY_S)
+                    continue
+                error = e.message
+            except DuplexError as e:
+                error = e.message
+            break
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
 
     async def _on_reconnect(self) -> None:

@@ -1,397 +1,360 @@
-"""HTTP and WebSocket endpoints: `WS /generate/ws`, `POST /generate`, `/healthz`, `/`."""
+"""HTTP and WebSocket endpoints: `WS /generate/ws`, `POST /generate`, `WS /v1/realtime`, `/healthz`, `/`.
+
+`create_app` wires the endpoints (`Endpoints`, one object that owns the service) to routes.
+A route added later (another protocol on the same calls) is one more method there and one
+more line in `routes()`. Every endpoint that starts work first runs the app's `checks`
+(`Check`): whatever they refuse is answered before anything is read or opened.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from services.frontend.calls import InputState
-from services.frontend.protocol import (
-    AbortCall,
-    Append,
-    ClientMessage,
-    EndInput,
-    Opening,
-    ParseError,
-    parse_message,
-    valid_request_id,
-)
+from services.frontend.auth import Access, Grant
+from services.frontend.limits import Guard, Limits, Load, Shed
+from services.frontend.outbox import Outbox, Outlet, to_json
+from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.realtime.endpoint import RealtimeHub
-from services.frontend.service import Call, FrontendService, Reply, to_json
-from services.frontend.websocket import DRAIN, SEND_NOW
+from services.frontend.service import Call, FrontendService
+from services.frontend.session import SocketSession, error_body
+from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import Aborted, Conflict, DuplexError, LimitExceeded, Overloaded, ProtocolError, UnknownCall
+from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
-SEND_QUEUE = 8192  # server -> client messages waiting for a slow reader; past it the socket (or one-shot) ends
-LANE_MAX = 256  # messages of one call waiting behind its opening or end: past it the socket waits
-LANES_MAX = 64  # calls of one socket with an opening, end or abort under way: past it the socket waits
-CLOSE_WAIT_S = 10.0  # on close, how long an opening under way may take before the socket's calls are aborted
-NO_CALL = "no live call with this request_id on this socket (never opened here, or ended)"
-INTERNAL = DuplexError("internal error")  # status 500: a bug, not the client's doing
+
+Check = Callable[[HTTPConnection], Awaitable[DuplexError | None]]
+"""Runs before an endpoint does any work (reads a body, accepts a socket): an error refuses
+the request with its status (a socket: refused at the handshake)."""
 
 
-def error_body(rid: str | None, err: DuplexError, append: bool = False) -> dict[str, Any]:
-    """The client's error message: the call's, or (append=True) a refused append's."""
-    body: dict[str, Any] = {"request_id": rid, "error": err.message, "status": err.status}
-    if append:
-        body["append"] = True
-    return body
+def error_response(rid: str | None, err: DuplexError, close: bool = False) -> JSONResponse:
+    """The error as a response; `close`: the connection closes after it (its request's body
+    was not read to the end, so nothing more on it can be read as a request)."""
+    headers = {"connection": "close"} if close else {}
+    if err.status == 401:
+        headers["www-authenticate"] = 'Bearer realm="duplexbus"'
+    return JSONResponse(error_body(rid, err), status_code=err.status, headers=headers or None)
 
 
-def error_response(rid: str | None, err: DuplexError) -> JSONResponse:
-    return JSONResponse(error_body(rid, err), status_code=err.status)
+class OneShot:
+    """`POST /generate`: one opening as JSON, run as a one-shot, its messages as NDJSON lines.
 
-
-class SocketSession:
-    """One WebSocket: its calls (by request_id) and the way messages go out to it.
-
-    Under the frontend's own protocol (`websocket.FrontendWebSocketProtocol`) a message is
-    handed to the connection at once, which bounds what waits for a slow client. Under
-    another ASGI server they go through a bounded queue and a writer task.
+    Its messages wait in an `Outbox` for the response to send them; outputs wait in the
+    stream while the client is slower than they come. A client that leaves ends the call.
+    What it holds (the body being read, messages waiting) counts against the frontend's
+    memory budget (`limits.Guard`, which may end it), and its body must be complete
+    within `message_timeout_s`.
     """
 
-    def __init__(self, ws: WebSocket, service: FrontendService) -> None:
-        self.ws = ws
+    def __init__(self, service: FrontendService, request: Request, guard: Guard | None = None) -> None:
         self.service = service
-        self.calls: dict[str, Call] = {}
-        # Messages of a call whose opening, end of input or abort is under way, by request_id:
-        # they wait for it, while other calls' messages on this socket go on.
-        self.lanes: dict[str | None, deque[ClientMessage | ParseError]] = {}
-        self._lane_tasks: set[asyncio.Task[None]] = set()
-        self._lane_moved = asyncio.Event()
-        self.closed = False
-        self.send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
-        self.queue: asyncio.Queue[Reply] = asyncio.Queue(SEND_QUEUE)
-        self.overflowed = False
+        self.request = request
+        self.guard = guard
+        self.request_id: str | None = None
+        self.call: Call | None = None
+        self.outbox = Outbox(pause_at=service.config.max_send_buffer_bytes, on_overflow=self._overflowed)
+        self._body_bytes = 0
+        self._body_since: float | None = None
+        self._reader: asyncio.Task[bytes | DuplexError] | None = None
+        self._shed: Shed | None = None
 
-    def send(self, msg: Reply) -> None:
-        if self.send_now is not None:
-            with contextlib.suppress(OSError):  # the socket is gone: its calls are being aborted
-                self.send_now(to_json(msg))
-            return
+    async def respond(self) -> Response:
+        if self.guard is not None:
+            self.guard.adopt(self, counted=False)  # its TCP connection is the one counted
         try:
-            self.queue.put_nowait(msg)
-        except asyncio.QueueFull:
-            # The client is not reading: better to end its socket than to buffer without bound.
-            self.overflowed = True
+            response = await self._respond()
+        except BaseException:
+            self._release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            self._release()
+        return response
 
-    async def writer(self) -> None:
-        """The send path under an ASGI server other than the frontend's own."""
-        while True:
-            msg = await self.queue.get()
-            if self.overflowed:
-                return
-            await self.ws.send_text(to_json(msg).decode())
+    def _release(self) -> None:
+        if self.guard is not None:
+            self.guard.release(self)
 
-    def live(self, rid: str | None) -> Call | None:
-        return self.calls.get(rid) if rid is not None else None
-
-    def _forget(self, call: Call) -> None:
-        """The call ended: its request_id is free on this socket (and the socket holds no
-        trace of it, however many calls it runs over its life)."""
-        if call.request_id is not None and self.calls.get(call.request_id) is call:
-            del self.calls[call.request_id]
-
-    def append_error(self, rid: str | None, err: DuplexError) -> None:
-        """The reply to an append, end_input or abort that was refused; no call ends by it."""
-        self.send(error_body(rid, err, append=True))
-
-    async def handle(self, data: str | bytes) -> None:
-        """One client message. A plain append is handled at once; an opening, an end of input
-        or an abort waits on round trips to the bus, so it runs in a lane of its call's own,
-        and that call's later messages queue behind it, in order: one call's slow opening
-        does not hold up the appends of the others on the socket."""
-        msg = parse_message(data, max_bytes=self.service.config.max_message_bytes)
-        rid = msg.request_id
-        # Backpressure: past either bound the socket reads no more until a lane moves on.
-        while ((lane := self.lanes.get(rid)) is not None and len(lane) >= LANE_MAX) or (
-            lane is None and not _plain_append(msg) and len(self.lanes) >= LANES_MAX
-        ):
-            self._lane_moved.clear()
-            await self._lane_moved.wait()
-        if lane is not None:
-            lane.append(msg)
-        elif _plain_append(msg):
-            await self._handle(msg)
-        else:
-            self.lanes[rid] = deque()
-            task = asyncio.get_running_loop().create_task(self._run_lane(rid, msg))
-            self._lane_tasks.add(task)
-            task.add_done_callback(self._lane_tasks.discard)
-
-    async def _run_lane(self, rid: str | None, first: ClientMessage | ParseError) -> None:
-        lane = self.lanes[rid]
-        try:
-            await self._handle(first)
-            while lane:
-                msg = lane.popleft()
-                self._lane_moved.set()
-                await self._handle(msg)
-        finally:
-            del self.lanes[rid]
-            self._lane_moved.set()
-
-    async def _handle(self, msg: ClientMessage | ParseError) -> None:
-        try:
-            if isinstance(msg, ParseError):
-                await self._refused(msg)
-            elif isinstance(msg, Opening):
-                await self._open(msg)
-            elif isinstance(msg, Append | EndInput):
-                await self._append(msg)
-            else:
-                await self._abort(msg)
-        except DuplexError as e:
-            self.send(error_body(msg.request_id, e))
-        except Exception:  # I-4: a bug here ends at most the call it concerns, never the socket
-            log.exception("handling a %s failed", type(msg).__name__)
-            call = None if isinstance(msg, Opening) else self.live(msg.request_id)
-            if call is not None:
-                await self.service.abort(call, INTERNAL.message, INTERNAL.status, tell_client=True)
-            else:
-                self.send(error_body(msg.request_id, INTERNAL))
-
-    async def _refused(self, p: ParseError) -> None:
-        call = self.live(p.request_id) if valid_request_id(p.request_id) else None
-        if p.append:
-            if call is not None:  # a malformed append is a rejected append: it ends the call
-                await self._reject_append(call, p.error)
-            else:
-                self.append_error(p.request_id, p.error)
-            return
-        if p.kind == "opening" and call is not None:
-            # An opening under a live request_id is a 409 whatever else is wrong with it: an
-            # error reply of any other status under a live request_id means that call ended.
-            err = Conflict(f"request_id {p.request_id!r} is already in use by a live call ({p.error.message})")
-            self.send(error_body(p.request_id, err))
-            return
-        self.send(error_body(p.request_id, p.error))
-
-    async def _open(self, o: Opening) -> None:
-        if self.live(o.request_id) is not None:
-            raise Conflict(f"request_id {o.request_id!r} is already in use by a live call")
-        call = await self.service.open_call(o, self.send, self, on_end=self._forget)
-        if self.closed:  # the socket closed while the call was opening
-            await self.service.abort(call, "socket closed", 499)
-            return
-        if o.request_id is not None:
-            self.calls[o.request_id] = call
-
-    async def _append(self, a: Append | EndInput) -> None:
-        call = self.live(a.request_id)
-        if call is None:
-            self.append_error(a.request_id, UnknownCall(NO_CALL))
-            return
-        if call.input.state is not InputState.OPEN:
-            self.append_error(a.request_id, Conflict("the call's input has ended (end_input); the call goes on"))
-            return
-        try:
-            if isinstance(a, Append):
-                await self.service.append(call, a)
-            else:
-                await self.service.end_input(call, a)
-        except DuplexError as e:
-            await self._reject_append(call, e)
-
-    async def _abort(self, a: AbortCall) -> None:
-        call = self.live(a.request_id)
-        if call is None:
-            self.append_error(a.request_id, UnknownCall(NO_CALL))
-        else:
-            err = Aborted("aborted by the client")
-            await self.service.abort(call, err.message, err.status, tell_client=True)
-
-    async def _reject_append(self, call: Call, e: DuplexError) -> None:
-        """A rejected append ends the call with its error and no finish."""
-        await self.service.abort(call, e.message, e.status, tell_client=True)
-
-    async def close(self) -> None:
-        """The socket closed: abort its calls, which frees their admission slots.
-
-        What its lanes still held is dropped; an opening under way is let finish (for up to
-        CLOSE_WAIT_S), and a call it opens after this is aborted at once (`_open`).
-        One-shots first (they may be queued): were a live call's slot freed first, the
-        conductor could admit this socket's own queued one-shot into it, ahead of others.
-        (One-shots without a request_id are not in self.calls, hence the scan.)
-        """
-        self.closed = True
-        for lane in self.lanes.values():
-            lane.clear()
-        if self._lane_tasks:
-            await asyncio.wait(list(self._lane_tasks), timeout=CLOSE_WAIT_S)
-        mine = [c for c in self.service.calls.values() if c.owner is self]
-        for call in sorted(mine, key=lambda c: c.live):
-            await self.service.abort(call, "socket closed", 499)
-
-
-def _plain_append(msg: ClientMessage | ParseError) -> bool:
-    """An append that ends no stream: it is framed and published without a round trip."""
-    return isinstance(msg, Append) and msg.end_input is None
-
-
-async def _abort_when_gone(request: Request, svc: FrontendService, call: Call) -> None:
-    """A `POST /generate` client that leaves ends its call. Under ASGI 2.4 Starlette notices
-    a client that left only when a send fails, and a one-shot that is queued, or whose model
-    is quiet, sends nothing for a while: so watch the connection (its body is read by now)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    _abort_soon(svc, call)
-
-
-def _abort_soon(svc: FrontendService, call: Call) -> None:
-    """Abort in a task of the service's own: the response's task may be in a cancelled
-    scope (Starlette cancels it when the client leaves), where every await is cancelled too,
-    and an abort cut short would leave the call, queued or running, to the conductor."""
-    if not call.ended.is_set():
-        svc.tasks.spawn(svc.abort(call, "client went away", 499))
-
-
-def create_app(config: ServingConfig, service: FrontendService | None = None) -> Starlette:
-    svc = service or FrontendService(config)
-    hub = RealtimeHub(svc)
-
-    async def realtime_ws(ws: WebSocket) -> None:
-        """`WS /v1/realtime?model=NAME`: the OpenAI Realtime API (docs/realtime.md)."""
-        await hub.serve(ws)
-
-    async def generate_ws(ws: WebSocket) -> None:
-        await ws.accept()
-        session = SocketSession(ws, svc)
-        writer = None if session.send_now is not None else asyncio.get_running_loop().create_task(session.writer())
-        try:
-            while not session.overflowed:
-                message = await ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                data = message.get("text")
-                if data is None:
-                    data = message.get("bytes") or b""  # a binary frame: parsed as UTF-8 JSON all the same
-                await session.handle(data)
-        except (WebSocketDisconnect, RuntimeError):
-            pass
-        finally:
-            await session.close()
-            if writer is not None:
-                writer.cancel()
-                with contextlib.suppress(BaseException):
-                    await writer
-            if session.overflowed:
-                with contextlib.suppress(Exception):
-                    await ws.close(1008, "client not reading")
-
-    async def generate(request: Request) -> Response:
-        """`POST /generate`: one opening as JSON, run as a one-shot, results as NDJSON lines."""
-        limit = config.max_message_bytes
-        chunks: list[bytes] = []
-        size = 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                big = LimitExceeded("max_message_mb", f"a request body over the limit of {limit} bytes")
-                return error_response(None, big)
-            chunks.append(part)
-        msg = parse_message(b"".join(chunks), one_shot=True)
+    async def _respond(self) -> Response:
+        body = await self._read_body()
+        if isinstance(body, DuplexError):
+            return error_response(None, body, close=True)
+        msg = parse_message(body, one_shot=True)
         if isinstance(msg, ParseError):
             return error_response(msg.request_id, msg.error)
         if not isinstance(msg, Opening):
             err = ProtocolError("POST /generate takes an opening (no append, end_input alone or abort)")
             return error_response(msg.request_id, err)
-        buf: deque[Reply] = deque()
-        more = asyncio.Event()
-        opened: list[Call] = []
-        overflowed = False
-
-        def sink(m: Reply) -> None:
-            nonlocal overflowed
-            if overflowed:
-                return
-            if len(buf) >= SEND_QUEUE:
-                # The client is not reading: end the call rather than buffer without bound.
-                overflowed = True
-                err = Overloaded(f"the client was not reading its results ({SEND_QUEUE} messages waiting)")
-                buf.append(error_body(msg.request_id, err))
-                if opened:
-                    svc.tasks.spawn(svc.abort(opened[0], err.message, err.status))
-            else:
-                buf.append(m)
-            more.set()
-
+        self.request_id = msg.request_id
         try:
-            call = await svc.open_call(msg, sink, request, on_end=lambda _: more.set())
+            self.call = await self.service.open_call(msg, self.outbox, on_end=lambda _: self.outbox.close())
         except DuplexError as e:
             return error_response(msg.request_id, e)
-        opened.append(call)
-        # Under ASGI 2.3 Starlette also watches (and cancels lines()); under 2.4 only this
-        # does. Both end in _abort_soon, which aborts once.
-        watcher = svc.tasks.spawn(_abort_when_gone(request, svc, call))
+        # Watched from now: a client that leaves before the response starts ends its call too.
+        # Under ASGI 2.3 Starlette also watches (and cancels _lines); under 2.4 only this
+        # does. Both end in abort_soon, which aborts once.
+        watcher = self.service.tasks.spawn(self._abort_when_gone(self.call))
+        return StreamingResponse(self._lines(self.call, watcher), media_type="application/x-ndjson")
 
-        async def lines() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    while not buf:
-                        # Ended by the call's state, not by the look of a message: the call's
-                        # last reply (if any) is in buf before it counts as ended.
-                        if call.ended.is_set():
-                            return
-                        more.clear()
-                        await more.wait()
-                    yield to_json(buf.popleft()) + b"\n"
-            finally:
-                watcher.cancel()
-                _abort_soon(svc, call)
+    async def _read_body(self) -> bytes | DuplexError:
+        """The body, in a task of its own that the guard may end (`shed`)."""
+        self._body_since = time.monotonic()
+        self._reader = asyncio.get_running_loop().create_task(self._body())
+        try:
+            return await self._reader
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._shed is None or (current is not None and current.cancelling()):
+                raise
+            return CallTimeout(self._shed.reason) if self._shed.http_status == 408 else Overloaded(self._shed.reason)
+        finally:
+            self._reader = None
+            self._body_since = None
+            self._body_bytes = 0
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+    async def _body(self) -> bytes | DuplexError:
+        limit = self.service.config.max_message_bytes
+        chunks: list[bytes] = []
+        async for part in self.request.stream():
+            self._body_bytes += len(part)
+            if self._body_bytes > limit:
+                return LimitExceeded("max_message_mb", f"a request body over the limit of {limit} bytes")
+            chunks.append(part)
+            if self.guard is not None:
+                for conn, why in self.guard.report(self, self._body_bytes, time.monotonic()):
+                    conn.shed(why)
+        return b"".join(chunks)
 
-    async def healthz(request: Request) -> Response:
-        ok = svc.ready.is_set()
-        return JSONResponse(
-            {"ready": ok, "frontend_id": svc.frontend_id, "pid": os.getpid(), "calls": len(svc.calls)},
-            status_code=200 if ok else 503,
-        )
+    # -- limits (`limits.Guard`) -----------------------------------------------
+    def load(self, now: float) -> Load:
+        return Load(input=self._body_bytes, output=self.outbox.queued_bytes, message_since=self._body_since)
 
-    async def index(request: Request) -> Response:
+    def shed(self, why: Shed) -> None:
+        log.warning("ending a POST /generate: %s", why.reason)
+        self._shed = why
+        if self._reader is not None:
+            self._reader.cancel()
+        elif self.call is not None:
+            err = CallTimeout(why.reason) if why.http_status == 408 else Overloaded(why.reason)
+            self.outbox.last(error_body(self.request_id, err))
+            self.service.abort_soon(self.call, err.message, err.status)
+
+    def _overflowed(self) -> None:
+        err = Overloaded(f"the client was not reading its results ({self.outbox.queued_bytes} bytes waiting)")
+        self.outbox.last(error_body(self.request_id, err))
+        if self.call is not None:
+            self.service.abort_soon(self.call, err.message, err.status)
+
+    async def _lines(self, call: Call, watcher: asyncio.Task[Any]) -> AsyncIterator[bytes]:
+        try:
+            # Ended by the outbox, which closes once the call's last message is in it.
+            while (msg := await self.outbox.get()) is not None:
+                yield to_json(msg) + b"\n"
+        finally:
+            watcher.cancel()
+            self._release()
+            self.service.abort_soon(call, "client went away", 499)
+
+    async def _abort_when_gone(self, call: Call) -> None:
+        """A client that leaves ends its call. Under ASGI 2.4 Starlette notices a client that
+        left only when a send fails, and a one-shot that is queued, or whose model is quiet,
+        sends nothing for a while: so watch the connection (its body is read by now)."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self._release()
+        self.service.abort_soon(call, "client went away", 499)
+
+
+class Endpoints:
+    """The frontend's endpoints; they share one service, which they start and stop, and one
+    `limits.Guard`, which every connection reports to (through the lifespan's state, for
+    the protocols in `http.py` and `websocket.py`) and which the lifespan sweeps."""
+
+    def __init__(self, service: FrontendService, checks: Sequence[Check] = ()) -> None:
+        self.service = service
+        auth = service.config.auth
+        self.access = Access(auth.tokens, auth.allowed_origins)
+        self.checks = [self._access, *checks]
+        self.guard = Guard(Limits.from_config(service.config))
+        self.hub = RealtimeHub(service)
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/", self.index),
+            Route("/healthz", self.healthz),
+            Route("/favicon.svg", self.favicon),
+            Route("/favicon.ico", self.favicon),
+            Route("/generate", self.generate, methods=["POST"]),
+            WebSocketRoute("/generate/ws", self.generate_ws),
+            WebSocketRoute("/v1/realtime", self.realtime_ws),
+        ]
+
+    async def _access(self, conn: HTTPConnection) -> DuplexError | None:
+        """Tokens and origins (auth.py); a socket's token may come as a subprotocol, which the
+        socket is then accepted with (kept in the connection's state)."""
+        protocols = conn.headers.getlist("sec-websocket-protocol")
+        offered = [p.strip() for line in protocols for p in line.split(",") if p.strip()]
+        verdict = self.access.check(conn.headers, conn.url.scheme, offered)
+        if isinstance(verdict, Grant):
+            conn.state.subprotocol = verdict.subprotocol
+            return None
+        return verdict
+
+    async def refused(self, conn: HTTPConnection) -> DuplexError | None:
+        """The first refusal of the app's checks, if any."""
+        for check in self.checks:
+            err = await check(conn)
+            if err is not None:
+                return err
+        return None
+
+    async def generate(self, request: Request) -> Response:
+        err = await self.refused(request)
+        if err is not None:
+            return error_response(None, err)
+        return await OneShot(self.service, request, self.guard).respond()
+
+    async def generate_ws(self, ws: WebSocket) -> None:
+        if await self.refused(ws) is not None:
+            await ws.close(1008)  # before the handshake: the client gets 403
+            return
+        await ws.accept(subprotocol=getattr(ws.state, "subprotocol", None))
+        outlet: Any = ws.scope.get("extensions", {}).get(OUTLET)
+        outbox = Outbox(_as_outlet(outlet), pause_at=self.service.config.max_send_buffer_bytes)
+        session = SocketSession(outbox, self.service)
+        if outlet is not None:
+            outlet.busy = lambda: session.has_calls  # a socket with a call is not idle
+        # Under the frontend's own protocol (`websocket.FrontendWebSocketProtocol`) a message
+        # is handed to the connection at once, which bounds what waits for a slow client.
+        # Under another ASGI server they wait in the outbox for a writer task.
+        writer = None if outbox.direct else asyncio.get_running_loop().create_task(_write_all(ws, outbox))
+        try:
+            await _read_all(ws, session)
+        finally:
+            await session.close()
+            if writer is not None:
+                await _stop(writer)
+            if outbox.overflowed:
+                await _close_quietly(ws, 1008, "client not reading")
+
+    async def realtime_ws(self, ws: WebSocket) -> None:
+        """`WS /v1/realtime?model=NAME`: the OpenAI Realtime API (docs/realtime.md)."""
+        if await self.refused(ws) is not None:
+            await ws.close(1008)
+            return
+        await self.hub.serve(ws, getattr(ws.state, "subprotocol", None))
+
+    async def healthz(self, request: Request) -> Response:
+        ok = self.service.ready.is_set()
+        buffered = self.guard.buffered(time.monotonic())
+        body = {
+            "ready": ok,
+            "frontend_id": self.service.frontend_id,
+            "calls": len(self.service.calls),
+            "connections": len(self.guard),
+            "buffered_bytes": sum(buffered),
+            "buffered": {"input": buffered[0], "output": buffered[1]},
+            "shed": self.guard.shed_count,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def index(self, request: Request) -> Response:
         page = STATIC / "index.html"
         if page.exists():
             return FileResponse(page)
         return JSONResponse({"service": "duplexbus", "ws": "/generate/ws"})
 
-    async def favicon(request: Request) -> Response:
+    async def favicon(self, request: Request) -> Response:
         # A browser asks for /favicon.ico whatever the page says: both get the one icon.
         return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        await svc.start()
+    async def lifespan(self, app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        await self.service.start()
+        sweeper = asyncio.get_running_loop().create_task(self._sweep())
         try:
-            yield {DRAIN: svc.drain}  # the WebSocket protocol drains before it closes its socket
+            # The WebSocket protocol drains before it closes its socket; every connection
+            # reports to the guard.
+            yield {DRAIN: self.service.drain, GUARD: self.guard}
         finally:
-            await hub.close()
-            await svc.close()
+            await _stop(sweeper)
+            await self.hub.close()
+            await self.service.close()
 
-    routes = [
-        Route("/", index),
-        Route("/healthz", healthz),
-        Route("/favicon.svg", favicon),
-        Route("/favicon.ico", favicon),
-        Route("/generate", generate, methods=["POST"]),
-        WebSocketRoute("/generate/ws", generate_ws),
-        WebSocketRoute("/v1/realtime", realtime_ws),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.service = svc
+    async def _sweep(self) -> None:
+        """End the connections past a timeout (or over the memory budget), now and then."""
+        while True:
+            await asyncio.sleep(self.guard.limits.sweep_s)
+            for conn, why in self.guard.sweep(time.monotonic()):
+                try:
+                    conn.shed(why)
+                except Exception:
+                    log.exception("ending a connection (%s) failed", why.key)
+
+
+async def _read_all(ws: WebSocket, session: SocketSession) -> None:
+    """Hand each client message to the session until the client leaves (or is not reading)."""
+    try:
+        while not session.outbox.overflowed:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            data = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""  # a binary frame: parsed as UTF-8 JSON all the same
+            await session.handle(data)
+    except WebSocketDisconnect:
+        pass
+
+
+async def _write_all(ws: WebSocket, outbox: Outbox) -> None:
+    """The send path under an ASGI server other than the frontend's own."""
+    while (msg := await outbox.get()) is not None and not outbox.overflowed:
+        await ws.send_text(to_json(msg).decode())
+
+
+def _as_outlet(ext: Any) -> Outlet | None:
+    """The connection's outlet (the frontend's own WebSocket protocol), or None under another server."""
+    return ext if ext is not None and hasattr(ext, "send_now") and hasattr(ext, "has_room") else None
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel a task of ours and wait for it; the caller's own cancellation goes on up."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:
+        log.exception("a task failed as it was stopped")
+
+
+async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:
+    """Close a socket that may be gone already (the client left meanwhile)."""
+    try:
+        await ws.close(code, reason)
+    except (RuntimeError, OSError) as e:
+        log.debug("closing a socket (%d %s): %s", code, reason, e)
+
+
+def create_app(config: ServingConfig, service: FrontendService | None = None, checks: Sequence[Check] = ()) -> Starlette:
+    endpoints = Endpoints(service or FrontendService(config), checks)
+    app = Starlette(routes=endpoints.routes(), lifespan=endpoints.lifespan)
+    app.state.service = endpoints.service
     return app

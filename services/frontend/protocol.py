@@ -37,6 +37,7 @@ class _AudioAppend(msgspec.Struct, forbid_unknown_fields=True):
 
 _audio_append = msgspec.json.Decoder(_AudioAppend).decode
 
+MAX_KWARGS_DEPTH = 32  # model_kwargs nest at most this deep (the conductor and workers decode them too)
 REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REQUEST_ID_RULE = "request_id must be 1-64 characters of [A-Za-z0-9_-]"
 
@@ -128,10 +129,10 @@ def _parse_text(text: str | bytes, max_bytes: int | None, too_big: bool, one_sho
     its request_id and kind are read)."""
     try:
         raw = _json_decode(text)
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         if too_big:
             return ParseError(_too_big(text, max_bytes))
-        return ParseError(ProtocolError(f"not JSON: {e}"))
+        return ParseError(ProtocolError(f"not JSON: {_decode_error(e)}"))
     if not isinstance(raw, dict):
         if too_big:
             return ParseError(_too_big(text, max_bytes))
@@ -156,7 +157,7 @@ def _fast_append(text: str | bytes) -> Append | None:
     with its error messages."""
     try:
         msg = _audio_append(text)
-    except (msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     if not msg.append or not valid_request_id(msg.request_id):
         return None
@@ -169,6 +170,12 @@ def _fast_append(text: str | bytes) -> Append | None:
         except (binascii.Error, ValueError):
             return None
     return Append(msg.request_id, ClientInput(files=files))
+
+
+def _decode_error(e: Exception) -> str:
+    # msgspec raises RecursionError for nesting deeper than the interpreter's recursion
+    # limit ("[" * 5000): as malformed as any other JSON the client sends.
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
 def _too_big(text: str | bytes, max_bytes: int | None) -> LimitExceeded:
@@ -248,10 +255,28 @@ def _client_input(msg: dict[str, Any]) -> ClientInput:
     kwargs = msg.get("model_kwargs", {})
     if not isinstance(kwargs, dict):
         raise ProtocolError("model_kwargs must be an object")
+    if _depth(kwargs) > MAX_KWARGS_DEPTH:
+        raise ProtocolError(f"model_kwargs nest deeper than {MAX_KWARGS_DEPTH} levels")
     files = msg.get("files", [])
     if not isinstance(files, list):
         raise ProtocolError("files must be a list")
     return ClientInput(text=text, files=_files(files), model_kwargs=kwargs)
+
+
+def _depth(value: object) -> int:
+    """How deep objects and arrays nest in `value` (iterative: no recursion to exhaust)."""
+    deepest = 0
+    todo: list[tuple[object, int]] = [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, d)
+        if deepest > MAX_KWARGS_DEPTH:
+            return deepest
+        todo.extend((c, d + 1) for c in children)
+    return deepest
 
 
 def _files(files: list[Any]) -> list[ClientFile]:

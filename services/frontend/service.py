@@ -1,23 +1,28 @@
 """The frontend's bus side: publishes call input, relays outputs, ends calls.
 
-Clients reach it through `app.py`. Each call's server -> client messages go to a
-`Sink` (a socket's bounded send queue, or a POST's NDJSON stream).
+Clients reach it through `app.py`. Each call's server -> client messages go to its
+connection's `Outbox` (bounded). What is logic and needs no bus is in pure pieces: the
+input side in `calls.CallInput`, the output side in `relay.OutputRelay`; this module keeps
+the calls and does their bus I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from models.registry import get_model, served_model
 from services.frontend.calls import CallInput, InputState, Prepared
+from services.frontend.outbox import Reply
 from services.frontend.protocol import Append, EndInput, Opening
+from services.frontend.relay import OutputRelay
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
 from shared.bus.kv import Bucket
@@ -36,53 +41,40 @@ from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
 
-Reply = dict[str, Any] | bytes
-"""A server -> client message: a dict, or one already serialized to JSON text (relayed
-outputs, which go from the bus to the socket as bytes, never decoded)."""
 
-Sink = Callable[[Reply], None]
-"""Takes one server -> client message; never blocks (bounded, see app.SocketSession)."""
+class Sink(Protocol):
+    """Takes a call's server -> client messages; never blocks (`outbox.Outbox`)."""
 
-
-def to_json(msg: Reply) -> bytes:
-    """The message as JSON text, UTF-8."""
-    return msg if isinstance(msg, bytes) else msgspec.json.encode(msg)
+    def send(self, msg: Reply) -> None: ...
+    def has_room(self) -> bool: ...  # False: outputs wait in the stream until `when_room` calls back
+    def when_room(self, key: str, then: Callable[[], None]) -> None: ...
 
 
-OUTPUT_RECOVER_S = 0.3  # an output missing this long (after a gap or a fin) is read from the stream
-OUTPUT_GRACE_S = 3.0  # after a fin, how long to wait for the outputs it counts before finishing anyway
-
-
-@dataclass
+@dataclass(eq=False)  # a call is itself, whatever its fields: its owner keeps it in a set
 class Call:
     cid: str
     request_id: str | None
     input: CallInput
     sink: Sink
-    owner: object  # the socket (or request) that opened it
     live: bool
     request_id_revision: int = 0  # the KV revision that reserved request_id (0: none)
     subs: list[BusSubscription] = field(default_factory=list)
-    next_out: dict[str, int] = field(default_factory=dict)  # partition -> next seq to relay
-    held: dict[tuple[str, int], bytes] = field(default_factory=dict)  # arrived ahead of a gap
-    gap_since: float | None = None  # when the oldest held output started waiting
-    recovering: bool = False
-    read_to: int = 0  # the stream sequence the last recovery read to: the next one starts after it
+    relay: OutputRelay = field(default_factory=OutputRelay)
+    recovering: bool = False  # a read of the call's outputs from the stream is under way
     fin: wire.Fin | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
-    on_end: Callable[[Call], None] | None = None  # the owner forgets it (a socket's request_ids)
-    timers: list[asyncio.TimerHandle] = field(default_factory=list)  # waits after the fin
+    on_end: Callable[[Call], None] | None = None  # whoever opened it forgets it (a socket)
 
     _output_prefix: bytes | None = None
 
     def reply(self, body: dict[str, Any]) -> None:
-        self.sink({"request_id": self.request_id, **body})
+        self.sink.send({"request_id": self.request_id, **body})
 
     def relay_output(self, event_json: bytes) -> None:
         """`{"request_id": ..., "output": EVENT}` spliced as JSON text: the event is never decoded here."""
         if self._output_prefix is None:
             self._output_prefix = b'{"request_id":' + msgspec.json.encode(self.request_id) + b',"output":'
-        self.sink(b"".join((self._output_prefix, event_json, b"}")))
+        self.sink.send(b"".join((self._output_prefix, event_json, b"}")))
 
 
 class FrontendService:
@@ -93,7 +85,7 @@ class FrontendService:
         self._bus: BusConnection | None = None
         self.ready = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
-        self.tasks = TaskSet()  # heartbeat, timeouts, unsubscribing, output recovery, finishes
+        self.tasks = TaskSet()  # heartbeat, timeouts, unsubscribing, output recovery, finishes, aborts
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
         # Load the served model and check the config's client_streams against it now, so a
@@ -206,7 +198,9 @@ class FrontendService:
         return self._limits[name]
 
     # -- calls -----------------------------------------------------------------
-    async def open_call(self, o: Opening, sink: Sink, owner: object, on_end: Callable[[Call], None] | None = None) -> Call:
+    async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[Call], None] | None = None) -> Call:
+        """Open a call whose messages go to `sink`; `on_end` runs once when it ends, after its
+        last message went to the sink."""
         if not self.ready.is_set():
             raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
         model_name = o.model or self.default_model
@@ -225,7 +219,7 @@ class FrontendService:
                 revision = await self.rids.create(o.request_id, cid.encode())
             except KeyTaken:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
-        call = Call(cid, o.request_id, inp, sink, owner, live, revision, on_end=on_end)
+        call = Call(cid, o.request_id, inp, sink, live, revision, on_end=on_end)
         self.calls[cid] = call
         try:
             call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self._on_out))
@@ -303,20 +297,28 @@ class FrontendService:
         except BusError as e:  # the workers then hold the call until its own timeouts end it
             log.error("call %s: its abort (%s) was not published: %s", call.cid, reason, e)
 
+    def abort_soon(self, call: Call, reason: str, status: int) -> None:
+        """`abort` in a task of the service's own, for a caller that may be cancelled at any
+        await (a response Starlette cancels when its client leaves): an abort cut short would
+        leave the call, queued or running, to the conductor."""
+        if not call.ended.is_set():
+            self.tasks.spawn(self.abort(call, reason, status))
+
     async def _cleanup(self, call: Call, reply: dict[str, Any] | None = None) -> None:
-        """Forget the call, free its request_id, then send `reply` (so a client that reads the
-        call's last message may reuse the request_id at once), then drop its subscriptions."""
+        """Forget the call, free its request_id, then send `reply` and tell its owner (so a
+        client that reads the call's last message may reuse the request_id at once), then
+        drop its subscriptions."""
         self.calls.pop(call.cid, None)
         call.input.close()
-        for t in call.timers:
-            t.cancel()
         if call.request_id is not None and self._bus is not None:
             await self.rids.release(call.request_id, call.cid.encode(), call.request_id_revision)
         call.ended.set()
-        if call.on_end is not None:
-            call.on_end(call)
+        # No await from here to the owner's forgetting it: the reply and the forgetting are
+        # one step for whoever reads the sink.
         if reply is not None:
             call.reply(reply)
+        if call.on_end is not None:
+            call.on_end(call)
         subs, call.subs = call.subs, []
         # In a task of its own: unsubscribing from inside that subscription's callback (a fin
         # or the last output) would cancel the callback itself.
@@ -329,7 +331,9 @@ class FrontendService:
         call = self.calls.get(subjects.parse(m.subject).cid)
         if call is None:
             return
-        if self.bus.is_stored(m):
+        if call.relay.behind or not call.sink.has_room():
+            self._fall_behind(call)  # the client is slower than its outputs: this one waits in the stream
+        elif self.bus.is_stored(m):
             self.tasks.spawn(self._accept_stored_output(call, m))
         else:
             self._accept_output(call, m.data)
@@ -337,32 +341,22 @@ class FrontendService:
     async def _accept_stored_output(self, call: Call, m: BusMsg) -> None:
         self._accept_output(call, await self.bus.body(m))
 
+    def _fall_behind(self, call: Call) -> None:
+        """Live outputs are not taken until the client has room; then they are read from the
+        stream (`_recover_outputs`), from where the relay is."""
+        call.relay.fall_behind()
+        call.sink.when_room(call.cid, lambda: self._recover_outputs(call))
+
     def _accept_output(self, call: Call, body: bytes) -> None:
-        """Relay in per-partition seq order; hold what comes ahead of a gap; drop repeats.
-        The last output a fin counts finishes the call."""
+        """Relay what the relay lets through now (`relay.OutputRelay`). The last output a fin
+        counts finishes the call."""
         try:
             o = wire.decode_as(body, wire.OutputMsg)
         except DuplexError:
             return
-        nxt = call.next_out.get(o.partition, 0)
-        if o.seq < nxt:
-            return  # a replay after a worker was replaced
-        if o.seq > nxt:
-            if len(call.held) < 10_000:
-                call.held[(o.partition, o.seq)] = o.json
-                call.gap_since = call.gap_since or time.monotonic()
-            else:
-                call.read_to = 0  # dropped: the next recovery reads the whole call again
-            return
-        call.relay_output(o.json)
-        nxt += 1
-        while (o.partition, nxt) in call.held:
-            call.relay_output(call.held.pop((o.partition, nxt)))
-            nxt += 1
-        call.next_out[o.partition] = nxt
-        if not call.held:
-            call.gap_since = None
-        if call.fin is not None and self._all_outputs(call):
+        for event in call.relay.accept(o.partition, o.seq, o.json, time.monotonic()):
+            call.relay_output(event)
+        if call.fin is not None and call.relay.complete:
             self.tasks.spawn(self._finish(call))
 
     async def _on_reconnect(self) -> None:
@@ -372,29 +366,54 @@ class FrontendService:
             self._recover_outputs(call)
 
     def _recover_outputs(self, call: Call) -> None:
-        """Outputs lost in transit (a gap, or fewer than the fin counts): every output is in
-        the stream, so read the call's outputs again and relay the missing ones. Each read
-        starts where the last one ended: what was stored before that has been relayed (or
-        held), so a missing output is stored later."""
+        """Outputs not relayed yet, lost in transit (a gap, or fewer than the fin counts) or
+        not taken while the client had no room: every output is in the stream, so read the
+        call's outputs from there and relay the missing ones, as long as the client has room.
+        Each read starts where the last one ended: what was stored before that has been
+        relayed (or held), so a missing output is stored later."""
         if call.recovering or call.cid not in self.calls:
             return
         call.recovering = True
 
         async def recover() -> None:
+            stopped = False
             try:
-                filters = [subjects.out(call.cid), subjects.fin(call.cid)]
-                async for subject, body, seq in self.bus.read_stored(filters, after=call.read_to):
-                    call.read_to = seq
-                    if subjects.parse(subject).kind == subjects.FIN:
-                        await self._accept_fin(call, body)
-                    else:
-                        self._accept_output(call, body)
+                while call.cid in self.calls:
+                    drops = call.relay.drops
+                    if not await self._read_outputs(call):
+                        stopped = True
+                        return
+                    call.relay.caught_up()
+                    if call.relay.drops == drops:
+                        return
+                    # Live outputs were not taken during the read: those stored after its end
+                    # are read now.
             except Exception:
                 log.exception("recovering the outputs of %s failed", call.cid)
             finally:
                 call.recovering = False
+                if stopped:
+                    self._fall_behind(call)  # read on once the client has room
+                    if call.sink.has_room():  # it drained while the read was being closed
+                        self._recover_outputs(call)
 
         self.tasks.spawn(recover())
+
+    async def _read_outputs(self, call: Call) -> bool:
+        """One read of the call's stored outputs and fin, from where the relay is; False where
+        it stopped because the client had no room for more."""
+        filters = [subjects.out(call.cid), subjects.fin(call.cid)]
+        async with contextlib.aclosing(self.bus.read_stored(filters, after=call.relay.read_to)) as stored:
+            async for subject, body, seq in stored:
+                if subjects.parse(subject).kind == subjects.FIN:
+                    call.relay.read(seq)
+                    await self._accept_fin(call, body)
+                elif not call.sink.has_room():
+                    return False
+                else:
+                    call.relay.read(seq)
+                    self._accept_output(call, body)
+        return True
 
     def _on_fin(self, m: BusMsg) -> None:
         call = self.calls.get(subjects.parse(m.subject).cid)
@@ -402,29 +421,24 @@ class FrontendService:
             self.tasks.spawn(self._accept_fin(call, m.data))
 
     async def _accept_fin(self, call: Call, body: bytes) -> None:
+        """A fin that counts outputs not relayed yet waits for them (`_check_timeouts` reads
+        the stream for them, and gives up on them after a while)."""
         if call.fin is not None:
             return
         try:
             call.fin = wire.decode_as(body, wire.Fin)
         except DuplexError:
             return
-        if call.fin.status != 200 or self._all_outputs(call):
+        call.relay.fin(call.fin.outputs, time.monotonic())
+        if call.fin.status != 200 or call.relay.complete:
             await self._finish(call)
-        else:
-            loop = asyncio.get_running_loop()
-            call.timers.append(loop.call_later(OUTPUT_RECOVER_S, self._recover_outputs, call))
-            call.timers.append(loop.call_later(OUTPUT_GRACE_S, lambda: self.tasks.spawn(self._finish(call))))
-
-    def _all_outputs(self, call: Call) -> bool:
-        assert call.fin is not None
-        return all(call.next_out.get(p, 0) >= n for p, n in call.fin.outputs.items())
 
     async def _finish(self, call: Call) -> None:
         if call.cid not in self.calls or call.fin is None:
             return
         fin = call.fin
         if fin.status == 200:
-            if not self._all_outputs(call):
+            if not call.relay.complete:
                 log.warning("call %s finished with outputs missing", call.cid)
             await self._cleanup(call, {"finish": {"reason": fin.reason, "usage": fin.usage, "call_id": call.cid}})
         else:
@@ -434,7 +448,10 @@ class FrontendService:
         now = time.monotonic()
         limit = self.config.request_timeout_s
         for call in list(self.calls.values()):
-            if call.gap_since is not None and now - call.gap_since > OUTPUT_RECOVER_S:
+            if call.relay.give_up_due(now):
+                await self._finish(call)
+                continue
+            if not call.recovering and call.relay.read_due(now, call.sink.has_room()):
                 self._recover_outputs(call)
             if call.input.state is InputState.OPEN and call.input.idle_for(now) > limit:
                 err = CallTimeout(f"no input for {limit:g}s (request_timeout_s)")

@@ -34,6 +34,7 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.micro.request import Request  # nats.micro exports add_service alone
 
 from shared.bus import subjects
 from shared.bus.confirmed import Confirmer
@@ -143,8 +144,8 @@ class Durable:
             return []
 
 
-def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[micro.Request], Awaitable[None]]:
-    async def on_request(req: micro.Request) -> None:
+def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Request], Awaitable[None]]:
+    async def on_request(req: Request) -> None:
         try:
             await req.respond(await handler(req.data))
         except Exception as e:  # answered as a service error, as nats micro clients expect

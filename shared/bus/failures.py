@@ -23,6 +23,7 @@ from shared.runtime.errors import (
     KeyTaken,
 )
 
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a write conditional on a revision that moved on
 DENIAL_MEMORY_S = 10.0  # a timeout this soon after a permissions violation is taken for that violation
 
 
@@ -47,7 +48,8 @@ def translate(e: BaseException, doing: str, denials: Denials | None = None) -> B
     """The BusError for a nats-py exception, or None for anything that is not one."""
     if isinstance(e, BusError):
         return e
-    if isinstance(e, jerr.KeyWrongLastSequenceError):
+    if isinstance(e, jerr.KeyWrongLastSequenceError) or getattr(e, "err_code", None) == WRONG_LAST_SEQUENCE:
+        # (a conditional delete or purge reports it as a plain bad request with this code)
         return KeyTaken(doing, "the key exists (or changed since the revision given)")
     if isinstance(e, jerr.NotFoundError | jerr.NoKeysError):
         return BusNotFound(doing, _text(e))

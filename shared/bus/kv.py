@@ -20,7 +20,7 @@ from nats.js.kv import KV_OP, KV_PURGE, MSG_ROLLUP_SUBJECT, KeyValue
 
 from shared.bus.failures import Denials, mapped
 from shared.runtime import healthfile
-from shared.runtime.errors import BusError, BusNotFound
+from shared.runtime.errors import BusError, BusNotFound, KeyTaken
 from shared.runtime.process import every
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ PUT, DELETE, PURGE = "PUT", "DEL", "PURGE"
 # Watches see the marker as it is written; nothing reads it later.
 MARKER_TTL_S = 2
 WRONG_LAST_SEQUENCE = 10071  # the server's code for a conditional write that lost
+CREATE_TRIES = 3  # a create racing a removal's marker as it expires tries again
 PROBE_KEY = "_probe"  # never stored: writes to it are conditional on a revision no key reaches
 
 
@@ -88,9 +89,28 @@ class Bucket:
         return mapped(f"{what} {self.name}" + (f"/{key}" if key else ""), self._denials)
 
     async def create(self, key: str, value: bytes) -> int:
-        """Store `value` under a key that must not exist yet (KeyTaken if it does): its revision."""
-        with self._doing("create", key):
-            return int(await self._kv.create(key, value))
+        """Store `value` under a key that must not exist yet (KeyTaken if it does): its revision.
+
+        A removed key holds a marker for MARKER_TTL_S, and a create over it names the marker's
+        revision; the marker may expire between reading it and writing, and nats-py's create
+        then fails ("key not found", or the key taken). So: write on the condition that the
+        key holds nothing, else what its last entry is a marker of, read afresh each try."""
+        last = 0
+        for _ in range(CREATE_TRIES):
+            try:
+                with self._doing("create", key):
+                    return int(await self._kv.update(key, value, last=last))
+            except KeyTaken:
+                pass
+            try:
+                with self._doing("create", key):
+                    await self._kv.get(key)
+            except BusNotFound as e:  # nothing there, or a marker (nats-py gives its entry)
+                marker = getattr(e.__cause__, "entry", None)
+                last = int(marker.revision) if marker is not None and marker.revision else 0
+                continue
+            break  # a value is there
+        raise KeyTaken(f"create {self.name}/{key}", "the key exists")
 
     async def put(self, key: str, value: bytes) -> int:
         with self._doing("put", key):

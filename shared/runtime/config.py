@@ -36,6 +36,11 @@ class RealtimeConfig(msgspec.Struct, forbid_unknown_fields=True):
     response_wait_s: float = 10.0  # a response made by response.create waits this long for the model's reply
 
 
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: list[str] = []  # bearer tokens a client must give (none: no token needed); also $DUPLEXBUS_TOKENS
+    allowed_origins: list[str] = []  # browser origins allowed besides the frontend's own
+
+
 class TLSConfig(msgspec.Struct, forbid_unknown_fields=True):
     ca_file: str | None = None
     cert_file: str | None = None
@@ -57,7 +62,13 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_message_mb: float = 16.0  # one WebSocket message
-    max_send_buffer_mb: float = 16.0  # output waiting for a client that does not read; past it the socket closes
+    max_send_buffer_mb: float = 16.0  # output waiting for one client; past it its calls' outputs wait in the stream
+    send_timeout_s: float = 30.0  # output waiting and none of it read this long: the client is dropped
+    max_connections: int = 1024  # HTTP and WebSocket connections one frontend holds; past it 503
+    header_timeout_s: float = 10.0  # an HTTP request's headers (a WebSocket handshake too) must arrive within this
+    message_timeout_s: float = 30.0  # a WebSocket message or POST /generate body must be complete within this
+    socket_idle_timeout_s: float = 120.0  # a WebSocket with no call and no message this long is closed
+    frontend_memory_mb: float = 512.0  # input and output one frontend buffers, all connections together
     worker_slots: int = 512  # calls one worker takes at once
     max_batch: int = 64  # calls in one step
     step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
@@ -66,6 +77,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
     shutdown_drain_s: float = 10.0  # a stopping frontend or worker lets live calls end this long
     realtime: RealtimeConfig = msgspec.field(default_factory=RealtimeConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         positive = {
@@ -75,6 +87,12 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "max_call_duration_s": self.max_call_duration_s,
             "max_message_mb": self.max_message_mb,
             "max_send_buffer_mb": self.max_send_buffer_mb,
+            "send_timeout_s": self.send_timeout_s,
+            "max_connections": self.max_connections,
+            "header_timeout_s": self.header_timeout_s,
+            "message_timeout_s": self.message_timeout_s,
+            "socket_idle_timeout_s": self.socket_idle_timeout_s,
+            "frontend_memory_mb": self.frontend_memory_mb,
             "worker_slots": self.worker_slots,
             "max_batch": self.max_batch,
             "heartbeat_s": self.heartbeat_s,
@@ -137,6 +155,16 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def max_send_buffer_bytes(self) -> int:
         return _mib(self.max_send_buffer_mb)
 
+    @property
+    def frontend_memory_bytes(self) -> int:
+        return _mib(self.frontend_memory_mb)
+
+    @property
+    def ws_max_frame_bytes(self) -> int:
+        """The largest WebSocket frame read at all: a message over max_message_mb up to this
+        is answered (400 naming the key); a frame past it closes the socket (1009)."""
+        return 2 * self.max_message_bytes + 1024 * 1024
+
 
 def _mib(mb: float) -> int:
     return int(mb * 1024 * 1024)
@@ -196,5 +224,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     for key, env in ENV_OVERRIDES.items():
         if os.environ.get(env):
             data[key] = os.environ[env]
+    if os.environ.get("DUPLEXBUS_TOKENS"):  # added to the file's: a deployment keeps secrets out of files
+        tokens = [t.strip() for t in os.environ["DUPLEXBUS_TOKENS"].split(",") if t.strip()]
+        auth = data.setdefault("auth", {})
+        if isinstance(auth, dict):
+            auth["tokens"] = [*(auth.get("tokens") or []), *tokens]
     data.update({k: v for k, v in overrides.items() if v is not None})
     return parse_config(data)

@@ -29,6 +29,18 @@ class LimitExceeded(BadRequest):
         self.limit = limit
 
 
+class Unauthorized(DuplexError):
+    """No bearer token, or one the frontend does not know (auth.tokens)."""
+
+    status = 401
+
+
+class Forbidden(DuplexError):
+    """A browser page from an origin the frontend does not allow (auth.allowed_origins)."""
+
+    status = 403
+
+
 class UnknownCall(DuplexError):
     """No live call of that request_id on this socket."""
 

@@ -22,6 +22,8 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.frontend.outbox import Outbox as CallOutbox
+from services.frontend.outbox import Reply, to_json
 from services.frontend.protocol import Append, EndInput, Opening
 from services.frontend.realtime import events as ev
 from services.frontend.realtime.session import (
@@ -35,7 +37,7 @@ from services.frontend.realtime.session import (
     event_number,
 )
 from services.frontend.realtime.session import EndInput as EndInputAction
-from services.frontend.service import Call, FrontendService, Reply, to_json
+from services.frontend.service import Call, FrontendService
 from services.frontend.websocket import SEND_NOW
 from shared.bus import subjects, wire
 from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded, Overloaded
@@ -150,7 +152,9 @@ class LiveSession:
 
     # -- the call ------------------------------------------------------------------------
     async def open(self) -> None:
-        call = await self.svc.open_call(Opening(self.rid, self.model_name, ClientInput()), self.sink, self)
+        # Every message reaches `sink` (as JSON bytes), with no bound of the call's own: the
+        # session's events go to its socket through the session's outbox.
+        call = await self.svc.open_call(Opening(self.rid, self.model_name, ClientInput()), CallOutbox(self.sink))
         self.call = call
         self.log = EventLog(self.svc, call.cid)
         self._spawn(self.log.run())
@@ -324,9 +328,9 @@ class RealtimeHub:
         )
         return LiveSession(self, name, model, core, f"rt-{sid}")
 
-    async def serve(self, ws: WebSocket) -> None:
-        """One socket from accept to close."""
-        await ws.accept()
+    async def serve(self, ws: WebSocket, subprotocol: str | None = None) -> None:
+        """One socket from accept to close (accepted with `subprotocol`: the one that carried its token)."""
+        await ws.accept(subprotocol=subprotocol)
         outbox = Outbox(ws)
         name = ws.query_params.get("model") or self.svc.default_model
         try:

@@ -1,0 +1,355 @@
+"""The services as real processes: `Stack` starts each one by itself on the test session's
+nats-server (to kill, freeze or restart one), `UpStack` runs `duplexbus up` as a user does
+(its own embedded nats-server, N frontends, M workers per partition)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from duplexbus.supervisor import saved_nats_url
+from shared.bus.embedded import free_port
+from tests.support import bus
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        with open(self.log, "ab") as out:
+            self.p = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.kill(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.alive():
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Served:
+    """What both stacks offer a client: the frontends' ports and the bus's URL."""
+
+    nats_url: str
+    ports: list[int]
+
+    def ws_url(self, i: int = 0) -> str:
+        """The WebSocket of frontend i (UpStack's frontends share one port: any i is that port)."""
+        return f"ws://127.0.0.1:{self.ports[i % len(self.ports)]}/generate/ws"
+
+    def http_url(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.ports[i % len(self.ports)]}"
+
+    async def worker_stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        return await bus.worker_stats(self.nats_url, reset)
+
+
+class Stack(Served):
+    """Conductor, workers and frontends as separate processes on one nats-server.
+
+    The stream and buckets are deleted first, so each stack starts from a clean bus.
+    Two stacks must never run at once on one bus (their workers would serve each
+    other's conductor): use one module-scoped stack per module, or function-scoped
+    ones in a module without a module-scoped stack.
+    """
+
+    def __init__(self, nats_url: str, config: dict[str, Any] | None = None) -> None:
+        self.nats_url = nats_url
+        self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-stack-"))
+        cfg = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0, **(config or {})}
+        self.config_path = self.dir / "config.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        self.procs: dict[str, Proc] = {}
+        self.ports = []
+        self.port_owner: dict[int, str] = {}
+        self.env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1", "DUPLEXBUS_LOG": "INFO"}
+
+    def _argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "duplexbus.cli", *args, "--config", str(self.config_path)]
+
+    async def reset_bus(self) -> None:
+        await bus.reset_bus(self.nats_url)
+
+    def start_conductor(self) -> Proc:
+        return self._start("conductor", self._argv("conductor"))
+
+    def start_worker(self, name: str, partitions: list[str] | None = None) -> Proc:
+        extra = [a for p in (partitions or []) for a in ("--partition", p)]
+        return self._start(name, self._argv("worker", *extra))
+
+    def start_frontend(self, name: str = "frontend-0") -> int:
+        port = free_port()
+        self._start(name, self._argv("frontend", "--port", str(port)))
+        self.ports.append(port)
+        self.port_owner[port] = name
+        return port
+
+    def _start(self, name: str, argv: list[str]) -> Proc:
+        p = Proc(name, argv, self.env, self.dir)
+        self.procs[name] = p
+        return p
+
+    async def start(self, workers: list[list[str] | None] | None = None, frontends: int = 1) -> Stack:
+        await self.reset_bus()
+        self.start_conductor()
+        for i, parts in enumerate(workers if workers is not None else [None]):
+            self.start_worker(f"worker-{i}", parts)
+        for i in range(frontends):
+            self.start_frontend(f"frontend-{i}")
+        for port in self.ports:
+            await self.wait_ready(port)
+        return self
+
+    async def wait_ready(self, port: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                pid = await asyncio.to_thread(_ready_pid, f"http://127.0.0.1:{port}/healthz")
+                if pid is not None:
+                    mine = self.procs[self.port_owner[port]].p.pid
+                    if pid != mine:  # another test run on this machine took the port first
+                        raise RuntimeError(f"port {port} is served by another process ({pid}, not {mine})")
+                    return
+            dead = [p for p in self.procs.values() if not p.alive()]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} died:\n{dead[0].tail()}")
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"frontend on {port} not ready:\n" + "\n".join(p.tail(10) for p in self.procs.values()))
+
+    async def wait_workers(self, n: int, timeout: float = 30.0) -> None:
+        """Until n worker heartbeats are in the bucket."""
+        await bus.wait_workers(self.nats_url, n, timeout)
+
+    async def workers_of_live_calls(self) -> dict[str, str]:
+        """partition -> the test's process name of the worker the conductor placed it on, from
+        its call records. The pid is read from the worker id (worker-{pid}-{random}), not
+        looked up in the heartbeat bucket: a killed worker's heartbeat can expire while the
+        conductor has yet to move its partitions."""
+        name_of = {p.p.pid: name for name, p in self.procs.items()}
+        out: dict[str, str] = {}
+        for rec in (await bus.call_records(self.nats_url)).values():
+            for part, wid in rec.placement.items():
+                out[part] = name_of[int(wid.split("-")[1])]
+        return out
+
+    def stop(self) -> None:
+        """Stop every process, then remove the stack's folder (its logs are in failure messages)."""
+        order = sorted(self.procs.values(), key=lambda p: (not p.name.startswith("frontend"), p.name.startswith("conductor")))
+        for p in order:
+            p.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.tail()}" for p in self.procs.values())
+
+
+@contextlib.asynccontextmanager
+async def running_stack(
+    nats_url: str,
+    config: dict[str, Any],
+    workers: list[list[str] | None] | None = None,
+    frontends: int = 1,
+    cls: type[Stack] = Stack,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[Stack]:
+    """A started stack (one worker with every partition by default), stopped afterwards.
+    `env`: extra environment variables for its processes."""
+    s = cls(nats_url, config)
+    s.env.update(env or {})
+    try:
+        await s.start(workers=workers, frontends=frontends)
+        if workers != []:
+            await s.wait_workers(len(workers) if workers is not None else 1)
+        yield s
+    finally:
+        s.stop()
+
+
+def _ready_pid(url: str) -> int | None:
+    with urllib.request.urlopen(url, timeout=1) as r:
+        # frontend-{pid}-{random}: /healthz does not give the pid itself (nothing to give away)
+        return int(json.loads(r.read())["frontend_id"].split("-")[1]) if r.status == 200 else None
+
+
+class UpStack(Served):
+    """`duplexbus up --model M --frontends N --workers M` with its own embedded nats-server, ready
+    once constructed (it blocks: from a coroutine, build it in a thread) and stopped with
+    Ctrl-C (SIGINT) as a user stops it. Every frontend serves on the one port; the kernel
+    spreads new sockets over them. `folder` holds the config and `up`'s run directory
+    (`run_dir`, folder/run); by default a new temporary one, whose logs stay for a look."""
+
+    def __init__(
+        self,
+        model: str = "echo",
+        frontends: int = 1,
+        workers: int = 1,
+        config: dict[str, Any] | None = None,
+        colocate: bool = False,
+        folder: Path | None = None,
+        log_level: str | None = "WARNING",
+        nats_url: str | None = None,
+    ) -> None:
+        """`nats_url`: a NATS of the caller's (a cluster's URLs, comma-separated) instead of
+        the embedded server."""
+        self.port = free_port()
+        self.ports = [self.port]
+        self.frontends = frontends
+        self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-bench-")) if folder is None else folder
+        self.run_dir = self.dir / "run"
+        self.lines: list[str] = []  # what `up` printed, as read so far
+        cmd = [sys.executable, "-m", "duplexbus.cli", "up", "--model", model, "--port", str(self.port)]
+        cmd += ["--frontends", str(frontends), "--workers", str(workers), "--run-dir", str(self.run_dir)]
+        cmd += ["--colocate"] if colocate else []
+        if config:
+            cfg = self.dir / "config.yaml"
+            cfg.write_text(yaml.safe_dump({"model": model, **config}))
+            cmd += ["--config", str(cfg)]
+        env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}  # the embedded server, as on a fresh machine
+        if log_level is not None:
+            env["DUPLEXBUS_LOG"] = log_level
+        if nats_url:
+            env["NATS_URL"] = nats_url
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            # `up` prints its serving line once every frontend answers and every worker heartbeats.
+            self.wait_for("serving", unless="did not become ready")
+            url = nats_url or saved_nats_url(self.run_dir)  # with the embedded server's credentials
+            if url is None:
+                raise RuntimeError("duplexbus up left no NATS URL in its run directory")
+            self.nats_url = url
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_for(self, text: str, unless: str | None = None) -> str:
+        """The next line `up` prints that holds `text` (every line read is kept in `lines`).
+        It blocks: from a coroutine, call it in a thread."""
+        assert self.proc.stdout is not None  # opened with stdout=PIPE
+        while True:
+            line = self.proc.stdout.readline()
+            if not line or (unless is not None and unless in line):
+                raise RuntimeError(f"no {text!r} from duplexbus up:\n" + "".join(self.lines) + line)
+            self.lines.append(line)
+            if text in line:
+                return line
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of each process of the stack, and of this client."""
+        tick = os.sysconf("SC_CLK_TCK")
+        parent: dict[int, int] = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        mine, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            mine.append(pid)
+            todo += [c for c, pp in parent.items() if pp == pid]
+        out: dict[str, float] = {}
+        for pid in mine:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            out[_role(argv)] = out.get(_role(argv), 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        t = os.times()
+        out["load client"] = t.user + t.system
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        # The stream's store (up to retention.max_bytes, 2 GiB) goes; the logs stay for a look.
+        shutil.rmtree(self.run_dir / "nats", ignore_errors=True)
+
+    def __enter__(self) -> UpStack:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _role(argv: list[bytes]) -> str:
+    args = [a.decode(errors="replace") for a in argv if a]
+    if args and args[0].endswith("nats-server"):
+        return "nats-server"
+    for role in ("frontend", "conductor", "worker", "up"):
+        if role in args:
+            if role == "worker" and "--partition" in args:
+                return f"worker {args[args.index('--partition') + 1]}"
+            return role
+    return " ".join(args[:2])
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def procs_mentioning(text: str) -> list[str]:
+    """Processes (other than this one) whose command line or environment mentions `text`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd or text in env:
+            out.append(f"{pid}: {cmd}")
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
