@@ -181,6 +181,9 @@ def test_duplexbus_nats_cluster_runs_three_nodes_until_sigterm(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
     assert not any(_taken(p) for p in (port, port + 1, port + 2))  # every node stopped with it
 
 
