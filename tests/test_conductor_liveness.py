@@ -4,17 +4,20 @@ then a conductor and a worker on a real server with the conductor's clock an hou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import types
+from collections.abc import AsyncIterator
 
 import pytest
 
 from services.conductor import liveness
 from services.conductor import service as conductor_service
 from services.conductor.liveness import ListeningClock, Liveness
+from services.conductor.service import ConductorService
 from services.worker.service import WorkerService
 from shared.bus import subjects
-from shared.runtime.config import parse_config
+from shared.runtime.config import ServingConfig, parse_config
 from shared.runtime.errors import BusUnavailable
 from tests.support.bus import own_nats_server
 
@@ -118,7 +121,43 @@ async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers(m
     with that clock, and every live worker looked an hour dead."""
     skewed = types.SimpleNamespace(time=lambda: time.time() + 3600, monotonic=time.monotonic)
     monkeypatch.setattr(conductor_service, "time", skewed)
-    with own_nats_server("duplexbus-skew-") as server:
+    async with conductor_and_worker("duplexbus-skew-") as (config, conductor, worker):
+        await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
+        assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
+
+
+async def test_heartbeats_that_cannot_be_stored_convict_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cluster whose node leading the heartbeat bucket died, no heartbeat can be stored
+    until another leader is elected (seconds): the conductor's probe (Bucket.writable) says
+    so and it counts none of that silence. Once the bucket takes writes again, a worker that
+    stays silent is lost as before. Here the bucket's refusal is played by the worker's puts
+    failing and the probe answering False; the watch itself works all along."""
+    async with conductor_and_worker("duplexbus-unstorable-") as (config, conductor, worker):
+
+        async def no_response(*args: object) -> int:
+            raise BusUnavailable("put", "no response from stream")
+
+        async def not_writable(timeout: float) -> bool:
+            return False
+
+        monkeypatch.setattr(worker.bus.kv[subjects.KV_WORKERS], "put", no_response)
+        monkeypatch.setattr(conductor.kv[subjects.KV_WORKERS], "writable", not_writable)
+        await asyncio.sleep(4 * config.liveness_s)
+        assert worker.worker_id in conductor.core.workers, "a worker was convicted for heartbeats nobody could store"
+        monkeypatch.delattr(conductor.kv[subjects.KV_WORKERS], "writable")  # the bucket takes writes again
+        for _ in range(100):
+            if worker.worker_id not in conductor.core.workers:
+                break
+            await asyncio.sleep(0.05)
+        assert worker.worker_id not in conductor.core.workers, "a worker silent while heard was not lost"
+        monkeypatch.delattr(worker.bus.kv[subjects.KV_WORKERS], "put")  # its stop writes a last heartbeat
+
+
+@contextlib.asynccontextmanager
+async def conductor_and_worker(prefix: str) -> AsyncIterator[tuple[ServingConfig, ConductorService, WorkerService]]:
+    """A conductor and an echo worker in this process on a nats-server of the test's own
+    (heartbeats every 0.2 s, liveness_s 1), once the conductor has seen the worker."""
+    with own_nats_server(prefix) as server:
         config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
         stop = asyncio.Event()
         conductor = conductor_service.ConductorService(config)
@@ -130,47 +169,7 @@ async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers(m
                     break
                 await asyncio.sleep(0.05)
             assert worker.worker_id in conductor.core.workers
-            await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
-            assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
-        finally:
-            stop.set()
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
-
-
-async def test_heartbeats_that_cannot_be_stored_convict_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a cluster whose node leading the heartbeat bucket died, no heartbeat can be stored
-    until another leader is elected (seconds): the conductor's probe (Bucket.writable) says
-    so and it counts none of that silence. Once the bucket takes writes again, a worker that
-    stays silent is lost as before. Here the bucket's refusal is played by the worker's puts
-    failing and the probe answering False; the watch itself works all along."""
-    with own_nats_server("duplexbus-unstorable-") as server:
-        config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
-        stop = asyncio.Event()
-        conductor = conductor_service.ConductorService(config)
-        worker = WorkerService(config, "echo")
-        tasks = [asyncio.create_task(conductor.run(stop)), asyncio.create_task(worker.run(stop))]
-        try:
-            for _ in range(100):
-                if worker.worker_id in conductor.core.workers:
-                    break
-                await asyncio.sleep(0.05)
-
-            async def no_response(*args: object) -> int:
-                raise BusUnavailable("put", "no response from stream")
-
-            async def not_writable(timeout: float) -> bool:
-                return False
-
-            monkeypatch.setattr(worker.bus.kv[subjects.KV_WORKERS], "put", no_response)
-            monkeypatch.setattr(conductor.kv[subjects.KV_WORKERS], "writable", not_writable)
-            await asyncio.sleep(4 * config.liveness_s)
-            assert worker.worker_id in conductor.core.workers, "a worker was convicted for heartbeats nobody could store"
-            monkeypatch.delattr(conductor.kv[subjects.KV_WORKERS], "writable")  # the bucket takes writes again
-            for _ in range(100):
-                if worker.worker_id not in conductor.core.workers:
-                    break
-                await asyncio.sleep(0.05)
-            assert worker.worker_id not in conductor.core.workers, "a worker silent while heard was not lost"
+            yield config, conductor, worker
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)

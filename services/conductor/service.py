@@ -232,7 +232,7 @@ class ConductorService:
                 log.warning("the stream holds %d bytes: new calls are taken again", stream_bytes)
             await self.events.put((core.StreamFull(full), None))
         cids = self.janitor.plan(stream_bytes, len(self.core.calls), time.time(), time.monotonic())
-        start = time.perf_counter()
+        start = time.monotonic()
         for i in range(0, len(cids), PURGES_AT_ONCE):
             batch = cids[i : i + PURGES_AT_ONCE]
             results = await asyncio.gather(*(self.bus.purge(subjects.call_all(c)) for c in batch), return_exceptions=True)
@@ -241,7 +241,7 @@ class ConductorService:
             self.removed += len(batch) - len(errors)
             if errors:
                 log.warning("removing %d finished calls failed (%s); trying again", len(errors), next(iter(errors.values())))
-        self.removing_s += time.perf_counter() - start
+        self.removing_s += time.monotonic() - start
 
     async def _assign(self, a: core.SendAssign) -> None:
         ok, error = False, None

@@ -144,9 +144,12 @@ class NatsServer:
             f.write(f"authorization {{\n  user: {json.dumps(user)}\n  password: {json.dumps(password)}\n}}\n")
         return path
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, in_cluster: bool = False) -> None:
+        """Until /healthz passes: JetStream on; `in_cluster`, also the cluster's JetStream leader
+        known and the node current with it (a stream made before would be refused)."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+        health = "/healthz" if in_cluster else "/healthz?js-enabled-only=true"
+        url = f"http://{self.host}:{self.monitor_port}{health}"
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
@@ -243,15 +246,7 @@ class NatsCluster:
         deadline = time.monotonic() + timeout
         for node in self.nodes:
             if node.exited() is None:
-                _wait_healthy(node, deadline)
-
-    def restart(self, i: int, timeout: float = 30.0) -> NatsServer:
-        """Start node `i` again (after kill or stop) on its port and store."""
-        old = self.nodes[i]
-        self.nodes[i] = NatsServer(old.store_dir, port=old.port, host=old.host, monitor_port=old.monitor_port, args=old.args)
-        self.nodes[i].start(timeout)
-        _wait_healthy(self.nodes[i], time.monotonic() + timeout)
-        return self.nodes[i]
+                node.wait_ready(max(0.0, deadline - time.monotonic()), in_cluster=True)
 
     def index_of(self, server_name: str) -> int:
         return [self.node_name(i) for i in range(len(self.nodes))].index(server_name)
@@ -265,16 +260,3 @@ class NatsCluster:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
-
-
-def _wait_healthy(node: NatsServer, deadline: float) -> None:
-    """Until the node's full /healthz passes: JetStream on, the meta leader known, its streams
-    current (NatsServer.wait_ready asks only that JetStream be on)."""
-    url = f"http://{node.host}:{node.monitor_port}/healthz"
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.1)
-    raise TimeoutError(f"nats-server {node.url} not healthy in its cluster; see {node.log_file}")
