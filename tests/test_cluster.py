@@ -28,6 +28,7 @@ from shared.bus.connection import BusConnection
 from shared.bus.embedded import NatsCluster, free_port
 from shared.bus.kv import Bucket
 from shared.runtime.config import parse_config
+from shared.runtime.errors import BusTimeout, BusUnavailable
 from tests.support.bus import call_records
 from tests.support.calls import EchoCall, stream_for
 from tests.support.stack import Stack
@@ -65,8 +66,24 @@ async def _open(stack: Stack, prefix: str, frames: int = 120) -> list[EchoCall]:
         try:
             await call.echoed(1)
         except TimeoutError:
-            raise AssertionError(f"{call.rid} had no echo:\n{stack.logs()}") from None
+            nc = await nats.connect(servers=stack.nats_url.split(","))
+            info = await nc.jetstream().stream_info(subjects.STREAM, subjects_filter="call.>")
+            await nc.close()
+            raise AssertionError(f"{call.rid} had no echo; stream: {info.state.subjects}\n{stack.logs()}") from None
     return calls
+
+
+async def _placed(cluster: NatsCluster, timeout: float = 20.0) -> set[str]:
+    """The workers the live calls are placed on, from node a (asked again while the calls
+    bucket elects a leader after a node died)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            records = await call_records(cluster.nodes[0].url)
+            return {w for r in records.values() for w in r.placement.values()}
+        except nats.errors.TimeoutError:
+            assert asyncio.get_running_loop().time() < deadline, "the calls bucket has no leader"
+            await asyncio.sleep(0.2)
 
 
 async def _stream_leader(cluster: NatsCluster, timeout: float = 20.0) -> int:
@@ -108,12 +125,12 @@ async def test_killing_the_stream_leader_mid_call_loses_no_frame() -> None:
 async def test_a_worker_whose_node_dies_reconnects_and_keeps_its_calls() -> None:
     async with cluster_stack() as (cluster, stack):
         calls = await _open(stack, "moved")
-        placed = {w for r in (await call_records(cluster.nodes[0].url)).values() for w in r.placement.values()}
+        placed = await _placed(cluster)
         worker_b = f"worker-{stack.procs['worker-b'].p.pid}-"
         assert any(w.startswith(worker_b) for w in placed), placed  # calls on both workers (most free slots first)
         cluster.nodes[1].kill()  # worker-b's node
         await stream_for(calls, 6.0)
-        after = {w for r in (await call_records(cluster.nodes[0].url)).values() for w in r.placement.values()}
+        after = await _placed(cluster)
         assert after == placed, (placed, after, stack.logs())  # not moved: worker-b went on, on another node
         await asyncio.gather(*(c.finish(timeout=60, logs=stack.logs()) for c in calls))
         assert stack.procs["worker-b"].alive()
@@ -136,7 +153,10 @@ async def test_a_bucket_without_a_leader_says_it_takes_no_writes() -> None:
             cluster.nodes[cluster.index_of(info.cluster.leader)].kill()
             assert not await bucket.writable(timeout=0.5)
             assert await _writable_within(bucket, 30.0)
-            assert await bucket.keys() == []  # the probes stored nothing
+            nc = await nats.connect(servers=[n.url for n in cluster.nodes if n.exited() is None])
+            held = (await nc.jetstream().stream_info(f"KV_{subjects.KV_WORKERS}")).state.messages
+            await nc.close()
+            assert held == 0  # the probes stored nothing
         finally:
             await bus.close()
 
@@ -171,8 +191,16 @@ def test_duplexbus_nats_cluster_runs_three_nodes_until_sigterm(tmp_path: Path) -
             await bus.store(subjects.open_("c1"), b"open")
             await bus.close()
             other = await BusConnection.open(parse_config({"nats_url": urls[2], "retention": {"replicas": 3}}), "cli-cluster-c")
-            assert [b async for _, b, _ in other.read_stored([subjects.call_all("c1")])] == [b"open"]
-            await other.close()
+            try:
+                for _ in range(100):  # a consumer on a stream just made: the cluster may not take one yet
+                    with contextlib.suppress(BusUnavailable, BusTimeout):
+                        assert [b async for _, b, _ in other.read_stored([subjects.call_all("c1")])] == [b"open"]
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    raise AssertionError("node c never read the stream")
+            finally:
+                await other.close()
 
         asyncio.run(replicated())
         proc.send_signal(signal.SIGTERM)

@@ -81,9 +81,11 @@ class Bucket:
         self._kv = kv
         self.name = name
         self._denials = denials
-        # nats-py's purge takes no expected revision; a removal is written as it would write it
-        self._js = kv._js
-        self._prefix = kv._pre
+
+    async def _write(self, key: str, headers: dict[str, str], timeout: float | None = None, ttl: float | None = None) -> None:
+        """A bodiless write to `key` with `headers`, as nats-py writes its own (its purge takes
+        no expected revision)."""
+        await self._kv._js.publish(f"{self._kv._pre}{key}", b"", headers=headers, timeout=timeout, msg_ttl=ttl)
 
     def _doing(self, what: str, key: str | None = None) -> contextlib.AbstractContextManager[None]:
         return mapped(f"{what} {self.name}" + (f"/{key}" if key else ""), self._denials)
@@ -134,7 +136,7 @@ class Bucket:
             headers[api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)
         with self._doing("delete", key):
             try:
-                await self._js.publish(f"{self._prefix}{key}", b"", headers=headers, msg_ttl=MARKER_TTL_S)
+                await self._write(key, headers, ttl=MARKER_TTL_S)
             except APIError as e:
                 if e.err_code == WRONG_LAST_SEQUENCE:
                     raise KeyWrongLastSequenceError(description=e.description) from e
@@ -146,7 +148,7 @@ class Bucket:
         refusal within `timeout` is the answer wanted."""
         headers: dict[str, str] = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(2**62)}
         try:
-            await self._js.publish(f"{self._prefix}{PROBE_KEY}", b"", headers=headers, timeout=timeout)
+            await self._write(PROBE_KEY, headers, timeout=timeout)
         except APIError as e:
             return e.err_code == WRONG_LAST_SEQUENCE
         except Exception:  # no answer, no responders, no connection: nats-py's own kinds
