@@ -212,9 +212,15 @@ async def level(stack: UpStack, calls: int, seconds: float, per_socket: int, ram
     stats: dict[str, Any] = {"finished": 0, "errors": 0}
     sockets = max(1, -(-calls // per_socket))
     sizes = [calls // sockets + (1 if i < calls % sockets else 0) for i in range(sockets)]
-    # Every frontend serves on stack.port: the kernel spreads the sockets over them.
+    # Every frontend serves on stack.port: the kernel spreads the sockets over them. Request ids
+    # differ from one level to the next: the last level's may not all be freed yet (409).
+    tag = f"{calls}-{int(time.monotonic() * 1000) % 100000}"
     await asyncio.gather(
-        *(socket_calls("127.0.0.1", stack.port, n, seconds, lags, warm, stats, f"s{i}", ramp_s) for i, n in enumerate(sizes) if n)
+        *(
+            socket_calls("127.0.0.1", stack.port, n, seconds, lags, warm, stats, f"{tag}s{i}", ramp_s)
+            for i, n in enumerate(sizes)
+            if n
+        )
     )
     cpu1, wall = stack.cpu_seconds(), time.monotonic() - t0
     workers = await stack.worker_stats()

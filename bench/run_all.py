@@ -20,6 +20,10 @@ BENCHES = [
     ["bench/voice_assistant_rtf.py"],
     ["-m", "bench.voice_latency"],
     ["-m", "bench.fast_call"],
+    ["-m", "bench.cluster_cost", "--calls", "100,150,200,250,300,350", "--seconds", "8"],
+    ["-m", "bench.confirm_cost", "--messages", "100000"],
+    ["-m", "bench.janitor", "--calls", "9000", "--items", "25"],
+    ["-m", "bench.kv_markers", "--ended", "100000"],
     ["-m", "bench.gateway_cost", "--calls", "1,20,50", "--appends", "200"],  # needs Docker: scripts/docker.sh prepare
 ]
 

@@ -203,11 +203,18 @@ def cmd_nats(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from shared.bus.embedded import NatsServer
+    from shared.bus.embedded import NatsCluster, NatsServer
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
-    with NatsServer(args.store, port=args.port) as server, contextlib.suppress(KeyboardInterrupt):
+    server: NatsServer | NatsCluster
+    if args.cluster:
+        server = NatsCluster(args.store, ports=[args.port + i for i in range(3)])
+    else:
+        server = NatsServer(args.store, port=args.port)
+    with server, contextlib.suppress(KeyboardInterrupt):
         print(server.url, flush=True)
+        if args.cluster:
+            print("a cluster: give the services NATS_URL above and retention.replicas: 3", file=sys.stderr, flush=True)
         while True:
             time.sleep(1)
     return 0
@@ -303,7 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     na = command("nats", "run the embedded nats-server in the foreground")
     na.add_argument("--store", default=".run/nats", help="JetStream store directory")
-    na.add_argument("--port", type=int, default=4222, help="client port")
+    na.add_argument("--port", type=int, default=4222, help="client port (with --cluster: the first node's; the others follow)")
+    na.add_argument(
+        "--cluster",
+        action="store_true",
+        help="three nodes in one JetStream cluster (routes on loopback, a store each under --store), for trying replicas: 3",
+    )
     na.set_defaults(fn=cmd_nats)
 
     ca = command("call", "stream a WAV file as a live call, print what comes back, write the reply audio")

@@ -4,23 +4,30 @@ then a conductor and a worker on a real server with the conductor's clock an hou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import types
+from collections.abc import AsyncIterator
 
 import pytest
 
 from services.conductor import liveness
 from services.conductor import service as conductor_service
-from services.conductor.liveness import Liveness
+from services.conductor.liveness import ListeningClock, Liveness
+from services.conductor.service import ConductorService
 from services.worker.service import WorkerService
-from shared.runtime.config import parse_config
+from shared.bus import subjects
+from shared.runtime.config import ServingConfig, parse_config
+from shared.runtime.errors import BusUnavailable
 from tests.support.bus import own_nats_server
+
+INF = float("inf")  # the rules of revisions, with no stall detection (these tests jump the clock)
 
 
 def test_a_process_is_alive_while_new_revisions_come_by_the_local_clock() -> None:
     """Nothing here reads the server's stored time: a worker on a machine whose clock is
     hours off, or a server whose clock is, is judged by when its heartbeats arrive."""
-    live = Liveness(liveness_s=3.0)
+    live = Liveness(liveness_s=3.0, max_gap_s=INF)
     assert live.saw("w1", revision=10, now=100.0)
     assert live.expired(now=102.9) == []
     assert live.saw("w1", revision=17, now=102.9)
@@ -30,7 +37,7 @@ def test_a_process_is_alive_while_new_revisions_come_by_the_local_clock() -> Non
 
 
 def test_a_replayed_heartbeat_revives_nothing() -> None:
-    live = Liveness(liveness_s=3.0)
+    live = Liveness(liveness_s=3.0, max_gap_s=INF)
     live.saw("w1", revision=5, now=0.0)
     assert not live.saw("w1", revision=5, now=1.0)  # a restarted watcher replays the last entry
     assert live.expired(now=3.5) == ["w1"]  # the replay did not count as a sign of life
@@ -40,14 +47,14 @@ def test_a_replayed_heartbeat_revives_nothing() -> None:
 
 
 def test_a_clean_exit_is_reported_once_and_the_key_may_come_back() -> None:
-    live = Liveness(liveness_s=3.0)
+    live = Liveness(liveness_s=3.0, max_gap_s=INF)
     live.saw("f1", revision=3, now=0.0)
     assert live.left("f1") and not live.left("f1")
     assert live.saw("f1", revision=9, now=1.0)
 
 
 def test_forgotten_keys_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    live = Liveness(liveness_s=1.0)
+    live = Liveness(liveness_s=1.0, max_gap_s=INF)
     for i in range(30):
         live.saw(f"w{i}", revision=i + 1, now=0.0)
     assert len(live.expired(now=5.0)) == 30
@@ -58,13 +65,99 @@ def test_forgotten_keys_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not live.saw("w29", revision=30, now=6.0)  # the latest lost are the ones kept
 
 
+def _ticks(live: Liveness, start: float, stop: float, step: float = 0.5) -> list[str]:
+    """The shell's ticks from `start` to `stop`: what expired on the way."""
+    lost: list[str] = []
+    t = start
+    while t < stop:
+        t = min(t + step, stop)
+        lost += live.expired(t)
+    return lost
+
+
+def test_a_judge_that_was_frozen_counts_none_of_the_freeze() -> None:
+    """The conductor stopped (SIGSTOP, a GC pause) for 7 s with liveness_s 5: on resume its
+    next tick comes before the heartbeats queued meanwhile are read. Only max_gap_s of the
+    freeze counts as silence, so nobody is lost; a process that stays silent once the
+    judge is awake again is lost liveness_s later, as before."""
+    live = Liveness(liveness_s=5.0, max_gap_s=1.0)
+    live.saw("w1", revision=1, now=0.0)
+    live.saw("w2", revision=1, now=0.0)
+    assert _ticks(live, 0.0, 2.0) == []
+    assert live.expired(now=9.0) == []  # resumed after 7 s without a tick: 1 s of it counts
+    assert live.saw("w1", revision=2, now=9.01)  # its queued heartbeat, read after the tick
+    assert _ticks(live, 9.01, 13.0) == ["w2"]  # silent for 2 + 1 + 2 s awake by 11.0 s: lost just after
+    assert "w1" in live
+
+
+def test_a_judge_that_cannot_hear_counts_no_silence() -> None:
+    """Cut off from NATS (or with its watch being made again), the conductor cannot hear
+    heartbeats: the time is not counted, however long it is."""
+    live = Liveness(liveness_s=3.0, max_gap_s=1.0)
+    live.saw("f1", revision=1, now=0.0)
+    assert _ticks(live, 0.0, 1.0) == []
+    live.hear(False, now=1.0)
+    assert _ticks(live, 1.0, 30.0) == []  # 29 s disconnected
+    live.hear(True, now=30.0)
+    assert _ticks(live, 30.0, 31.5) == []  # 1 + 1.5 s listened
+    assert _ticks(live, 31.5, 33.0) == ["f1"]  # past 3 s of listening
+
+
+def test_the_listening_clock_counts_a_stretch_only_when_it_listened_throughout() -> None:
+    clock = ListeningClock(max_gap_s=1.0)
+    assert clock.read(10.0) == 0.0
+    assert clock.read(10.5) == 0.5
+    assert clock.read(20.0) == 1.5  # a 9.5 s gap between reads: the process did not run
+    clock.hear(False, 20.2)  # listened up to here
+    assert clock.value == pytest.approx(1.7)
+    clock.hear(True, 25.0)
+    assert clock.read(25.4) == pytest.approx(1.7)  # the stretch that began deaf counts nothing
+    assert clock.read(25.9) == pytest.approx(2.2)
+
+
 async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real server and worker; the conductor's wall clock runs an hour ahead of theirs
     (another machine, unsynchronised). Before, liveness compared the server's stored time
     with that clock, and every live worker looked an hour dead."""
     skewed = types.SimpleNamespace(time=lambda: time.time() + 3600, monotonic=time.monotonic)
     monkeypatch.setattr(conductor_service, "time", skewed)
-    with own_nats_server("duplexbus-skew-") as server:
+    async with conductor_and_worker("duplexbus-skew-") as (config, conductor, worker):
+        await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
+        assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
+
+
+async def test_heartbeats_that_cannot_be_stored_convict_no_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cluster whose node leading the heartbeat bucket died, no heartbeat can be stored
+    until another leader is elected (seconds): the conductor's probe (Bucket.writable) says
+    so and it counts none of that silence. Once the bucket takes writes again, a worker that
+    stays silent is lost as before. Here the bucket's refusal is played by the worker's puts
+    failing and the probe answering False; the watch itself works all along."""
+    async with conductor_and_worker("duplexbus-unstorable-") as (config, conductor, worker):
+
+        async def no_response(*args: object) -> int:
+            raise BusUnavailable("put", "no response from stream")
+
+        async def not_writable(timeout: float) -> bool:
+            return False
+
+        monkeypatch.setattr(worker.bus.kv[subjects.KV_WORKERS], "put", no_response)
+        monkeypatch.setattr(conductor.kv[subjects.KV_WORKERS], "writable", not_writable)
+        await asyncio.sleep(4 * config.liveness_s)
+        assert worker.worker_id in conductor.core.workers, "a worker was convicted for heartbeats nobody could store"
+        monkeypatch.delattr(conductor.kv[subjects.KV_WORKERS], "writable")  # the bucket takes writes again
+        for _ in range(100):
+            if worker.worker_id not in conductor.core.workers:
+                break
+            await asyncio.sleep(0.05)
+        assert worker.worker_id not in conductor.core.workers, "a worker silent while heard was not lost"
+        monkeypatch.delattr(worker.bus.kv[subjects.KV_WORKERS], "put")  # its stop writes a last heartbeat
+
+
+@contextlib.asynccontextmanager
+async def conductor_and_worker(prefix: str) -> AsyncIterator[tuple[ServingConfig, ConductorService, WorkerService]]:
+    """A conductor and an echo worker in this process on a nats-server of the test's own
+    (heartbeats every 0.2 s, liveness_s 1), once the conductor has seen the worker."""
+    with own_nats_server(prefix) as server:
         config = parse_config({"nats_url": server.url, "heartbeat_s": 0.2, "liveness_s": 1.0})
         stop = asyncio.Event()
         conductor = conductor_service.ConductorService(config)
@@ -76,8 +169,7 @@ async def test_a_conductor_whose_clock_is_an_hour_ahead_keeps_its_live_workers(m
                     break
                 await asyncio.sleep(0.05)
             assert worker.worker_id in conductor.core.workers
-            await asyncio.sleep(3 * config.liveness_s)  # several liveness periods of heartbeats
-            assert worker.worker_id in conductor.core.workers, "a live worker was taken for lost"
+            yield config, conductor, worker
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)

@@ -118,6 +118,7 @@ def test_load_config_file_env_and_overrides(tmp_path: Path, monkeypatch: pytest.
         ("- 1\n- 2\n", "config"),
         ("max_concurrent_requests: [\n", "config"),
         ("retention:\n  max_bytes: -5\n", "retention.max_bytes"),
+        ("retention:\n  max_bytes: 100\n  hard_max_bytes: 99\n", "retention.hard_max_bytes"),
         ("max_call_duraton_s: 10\n", "max_call_duraton_s"),
     ],
 )

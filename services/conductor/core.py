@@ -97,7 +97,17 @@ class Tick:
     now: float
 
 
-Event = Opened | InputEnded | PartitionDone | AbortRequested | AssignResult | WorkerSeen | WorkerLost | FrontendLost | Tick
+@dataclass(frozen=True)
+class StreamFull:
+    """The stream holds retention.hard_max_bytes or more (full) or has come back under it."""
+
+    full: bool
+
+
+Event = (
+    Opened | InputEnded | PartitionDone | AbortRequested | AssignResult
+    | WorkerSeen | WorkerLost | FrontendLost | Tick | StreamFull
+)  # fmt: skip
 
 
 # -- actions -----------------------------------------------------------------
@@ -224,6 +234,7 @@ class Conductor:
         self.queue: deque[str] = deque()
         self.workers: dict[str, Worker] = {}
         self.clock = 0.0  # the latest time an event brought
+        self.stream_full = False  # past retention.hard_max_bytes: new calls are refused, live ones go on
 
     # -- queries -------------------------------------------------------------
     @property
@@ -255,6 +266,9 @@ class Conductor:
                 return [a for cid in cids for a in self._abort(cid, "frontend lost", 499, notify_workers=True)]
             case Tick():
                 return self._tick(ev.now)
+            case StreamFull():
+                self.stream_full = ev.full
+                return []
         raise TypeError(f"unknown event {ev!r}")
 
     # -- admission -----------------------------------------------------------
@@ -275,6 +289,9 @@ class Conductor:
             partitions=list(self.partitions_of.get(m.model, [])),  # known once a worker of the model is seen
             open_streams=set(m.open_streams),
         )
+        if self.stream_full:
+            hard = self.config.retention.refuse_above_bytes
+            return [self._fin_msg(call, 503, "overloaded", f"the stream is full (retention.hard_max_bytes, {hard} bytes)")]
         if self.active >= self.config.max_concurrent_requests:
             if call.live:
                 return [self._fin_msg(call, 503, "overloaded", "max_concurrent_requests reached")]

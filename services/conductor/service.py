@@ -16,6 +16,7 @@ from typing import Any
 from services.conductor import core
 from services.conductor.liveness import Liveness
 from services.conductor.observe import Observer
+from services.conductor.retention import Janitor
 from shared.bus import subjects, wire
 from shared.bus.connection import BUCKETS, BusConnection, BusMsg, Durable, conductor_consumer
 from shared.bus.kv import Bucket, KvEntry
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 
 ASSIGN_RETRY_S = 0.25  # an assignment nobody was subscribed to is asked again after this
 MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered path waits
+TICK_S = 0.5  # liveness, timeouts and the janitor are looked at this often
+WATCH_POLL_S = 0.5  # a watch's wait is cut this short, to notice a reconnect or a silent watch
+JANITOR_S = 1.0  # how often the stream's size is looked at and finished calls removed
+PURGES_AT_ONCE = 32
 
 
 class ConductorService:
@@ -46,7 +51,17 @@ class ConductorService:
         self.events: asyncio.Queue[tuple[core.Event, BusMsg | None]] = asyncio.Queue(maxsize=10_000)
         self._bus: BusConnection | None = None
         self._unsettled = asyncio.Semaphore(MAX_UNSETTLED)
-        self._live = {b: Liveness(config.liveness_s) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
+        # A tick late by more than two periods means this process did not run meanwhile: that
+        # stretch is not counted as anyone's silence (liveness.ListeningClock).
+        self._live = {b: Liveness(config.liveness_s, max_gap_s=2 * TICK_S) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
+        self._watching = dict.fromkeys(self._live, False)  # the bucket's watch has delivered what it held: it hears heartbeats
+        self._writable = dict.fromkeys(self._live, False)  # the bucket takes heartbeats (a cluster may be electing its leader)
+        self._reconnects = 0  # a watch made before the last reconnect may have died with the server
+        r = config.retention
+        self.janitor = Janitor(r.max_age_s, r.max_bytes, r.refuse_above_bytes)
+        self._stream_full = False  # as last told to the core
+        self.removed = 0  # finished calls removed from the stream, and the seconds it took
+        self.removing_s = 0.0
 
     @property
     def bus(self) -> BusConnection:
@@ -59,7 +74,9 @@ class ConductorService:
         return self.bus.kv
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._bus = await BusConnection.open(self.config, "duplexbus-conductor", buckets=list(BUCKETS))
+        self._bus = await BusConnection.open(
+            self.config, "duplexbus-conductor", buckets=list(BUCKETS), reconnected=self._on_reconnect
+        )
         await self._restore()
         sub = await self.bus.durable(conductor_consumer())
         self.readiness.conn = self.bus
@@ -83,8 +100,11 @@ class ConductorService:
                     tg.create_task(self._consume(sub)),
                     tg.create_task(self._watch(subjects.KV_WORKERS)),
                     tg.create_task(self._watch(subjects.KV_FRONTENDS)),
+                    tg.create_task(self._probe(subjects.KV_WORKERS)),
+                    tg.create_task(self._probe(subjects.KV_FRONTENDS)),
                     tg.create_task(self._ticks()),
                     tg.create_task(self._process()),
+                    tg.create_task(self._janitor()),
                     tg.create_task(self._beat()),
                     tg.create_task(self.readiness.run()),
                 ]
@@ -188,7 +208,7 @@ class ConductorService:
             if isinstance(a, core.SendAssign):
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
-                writes.append(self.tasks.spawn(self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))))
+                writes.append(self.tasks.spawn(self._fin(a)))
                 if a.request_id:  # the frontend frees it too, when it is alive to see the fin
                     rids = self.kv[subjects.KV_REQUEST_IDS]
                     self.tasks.spawn(rids.release(a.request_id, a.cid.encode(), a.request_id_revision))
@@ -199,6 +219,65 @@ class ConductorService:
             elif isinstance(a, core.DeleteRecord):
                 writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].delete_if_there(a.cid)))
         return writes
+
+    async def _fin(self, a: core.PublishFin) -> None:
+        await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))
+        self.janitor.ended(a.cid, time.monotonic())  # its messages may go from now on (retention.py)
+
+    async def _janitor(self) -> None:
+        """Keep the stream within retention by removing finished calls (retention.py); tell
+        the core when it is past hard_max_bytes. Live calls are never touched."""
+        await self._find_finished()
+        report = time.monotonic() + 60
+        while True:
+            await asyncio.sleep(JANITOR_S)
+            try:
+                await self._clean()
+            except BusError as e:
+                log.log(logging.WARNING if e.recoverable else logging.ERROR, "removing finished calls: %s", e)
+                await asyncio.sleep(0 if e.recoverable else 30)
+            if time.monotonic() > report:
+                if self.removed:
+                    log.info("removed %d finished calls from the stream in %.1f s", self.removed, self.removing_s)
+                self.removed, self.removing_s, report = 0, 0.0, time.monotonic() + 60
+
+    async def _find_finished(self) -> None:
+        """The finished calls a conductor before this one left in the stream (each has a fin)."""
+        while True:
+            try:
+                fins = await self.bus.stored_subjects(subjects.fin("*"))
+                break
+            except BusError as e:
+                if not e.recoverable:
+                    log.error("finding the finished calls in the stream: %s; they go by age alone", e)
+                    return
+                await asyncio.sleep(0.5)
+        cids = [c for c in (subjects.parse(f).cid for f in fins) if c not in self.core.calls]
+        self.janitor.found(cids, time.monotonic())
+        if cids:
+            log.info("%d finished calls in the stream", len(cids))
+
+    async def _clean(self) -> None:
+        stream_bytes = await self.bus.stream_bytes()
+        full = self.janitor.full(stream_bytes)
+        if full != self._stream_full:
+            self._stream_full = full
+            if full:
+                log.error("the stream holds %d bytes (retention.hard_max_bytes): new calls are refused", stream_bytes)
+            else:
+                log.warning("the stream holds %d bytes: new calls are taken again", stream_bytes)
+            await self.events.put((core.StreamFull(full), None))
+        cids = self.janitor.plan(stream_bytes, len(self.core.calls), time.time(), time.monotonic())
+        start = time.monotonic()
+        for i in range(0, len(cids), PURGES_AT_ONCE):
+            batch = cids[i : i + PURGES_AT_ONCE]
+            results = await asyncio.gather(*(self.bus.purge(subjects.call_all(c)) for c in batch), return_exceptions=True)
+            errors = {c: r for c, r in zip(batch, results, strict=True) if isinstance(r, Exception)}
+            self.janitor.again(list(errors))
+            self.removed += len(batch) - len(errors)
+            if errors:
+                log.warning("removing %d finished calls failed (%s); trying again", len(errors), next(iter(errors.values())))
+        self.removing_s += time.monotonic() - start
 
     async def _assign(self, a: core.SendAssign) -> None:
         ok, error = False, None
@@ -224,14 +303,22 @@ class ConductorService:
             break
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
 
+    async def _on_reconnect(self) -> None:
+        log.warning("reconnected to NATS: watching the heartbeats again")
+        self._reconnects += 1
+
     async def _watch(self, bucket: str) -> None:
         """Liveness from heartbeats: a put with a new revision is a sign of life, a delete a
         clean exit (liveness.py). Heartbeats come every heartbeat_s, so a watch that stays
-        silent longer may have died with a server restart: it is replaced, and the entries it
-        replays are not new revisions, so an old heartbeat does not revive a dead process."""
+        silent longer may have died with a server restart: it is replaced (so is one made
+        before a reconnect), and the entries it replays are not new revisions, so an old
+        heartbeat does not revive a dead process. Until a new watch has delivered what the
+        bucket holds, this conductor is not listening and counts nobody's silence."""
         kv = self.kv[bucket]
         silence = max(3 * self.config.heartbeat_s, self.config.liveness_s / 2)
         while True:
+            self._watching[bucket] = False
+            reconnects = self._reconnects
             try:
                 watch = await kv.watch()
             except BusError as e:  # NATS restarting or out of reach: the watch is made again
@@ -241,17 +328,34 @@ class ConductorService:
                 await asyncio.sleep(0.5)
                 continue
             try:
-                while True:
+                quiet = 0.0
+                while quiet < silence and reconnects == self._reconnects:
                     try:
-                        entry = await watch.next(timeout=silence)
+                        entry = await watch.next(timeout=WATCH_POLL_S)
+                    except BusTimeout:
+                        quiet += WATCH_POLL_S
+                        continue
                     except BusError as e:
-                        if not isinstance(e, BusTimeout):
-                            log.warning("%s; watching again", e)
+                        log.warning("%s; watching again", e)
                         break
-                    if entry is not None:
+                    quiet = 0.0
+                    if entry is None:  # what the bucket held is delivered: from now on it is news
+                        self._watching[bucket] = True
+                    else:
                         await self._heartbeat_entry(bucket, entry)
             finally:
+                self._watching[bucket] = False
                 await watch.stop()
+
+    async def _probe(self, bucket: str) -> None:
+        """Whether heartbeats can be stored at all: a bucket whose stream has lost its leader (a
+        cluster node died) takes none until another is elected, and the silence that makes is
+        nobody's fault. Asked every tick, with a write the bucket refuses (Bucket.writable)."""
+        kv = self.kv[bucket]
+        while True:
+            start = time.monotonic()
+            self._writable[bucket] = await kv.writable(timeout=TICK_S)
+            await asyncio.sleep(max(0.0, TICK_S - (time.monotonic() - start)))
 
     async def _heartbeat_entry(self, bucket: str, entry: KvEntry) -> None:
         live = self._live[bucket]
@@ -276,9 +380,11 @@ class ConductorService:
 
     async def _ticks(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(TICK_S)
             for bucket, live in self._live.items():
-                for key in live.expired(time.monotonic()):
+                now = time.monotonic()
+                live.hear(self.bus.is_connected and self._watching[bucket] and self._writable[bucket], now)
+                for key in live.expired(now):
                     log.warning("%s %s stopped heartbeating", bucket, key)
                     await self.events.put((_lost(bucket, key), None))
             await self.events.put((core.Tick(time.time()), None))

@@ -32,7 +32,7 @@ from shared.bus.connection import BusConnection, BusMsg, BusSubscription
 from shared.bus.readiness import Readiness
 from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import ConfigError, DuplexError, Overloaded, WorkerFailed
+from shared.runtime.errors import BusError, ConfigError, DuplexError, Overloaded, WorkerFailed
 from shared.runtime.health import HealthServer
 from shared.runtime.metrics import WorkerMetrics
 from shared.runtime.process import TaskSet
@@ -179,7 +179,10 @@ class WorkerService:
             # finish, and only then leave: a deleted key is a lost worker to the conductor,
             # which would place these calls again elsewhere while they still run here.
             self._accepting = False
-            await kv.put(self.worker_id, self._heartbeat())
+            try:
+                await kv.put(self.worker_id, self._heartbeat())
+            except BusError as e:  # (a cluster electing a leader, say) the drain goes on all the same
+                log.warning("could not announce that this worker stops taking calls: %s", e)
             await self._drain(timeout=self.config.shutdown_drain_s)
             hb.cancel()
             await kv.delete_if_there(self.worker_id)

@@ -9,6 +9,7 @@ what the stream holds, and closes. nats-py's exceptions come out as `BusError`s.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import ssl
@@ -36,13 +37,14 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.micro.request import Request  # nats.micro exports add_service alone
 
 from shared.bus import subjects
+from shared.bus.confirmed import Confirmer
 from shared.bus.failures import Denials, mapped
 from shared.bus.history import Stored, read_history
 from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import BusError, BusNotFound, BusTimeout, BusUnavailable
+from shared.runtime.errors import BusError, BusNotFound, BusRefused, BusTimeout, BusUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +65,16 @@ HEARTBEAT_BUCKETS = (subjects.KV_WORKERS, subjects.KV_FRONTENDS)
 
 
 def stream_config(config: ServingConfig) -> StreamConfig:
+    """No byte limit: the server would drop the oldest messages, a live call's start among
+    them. The conductor, which knows which calls are live, removes finished ones instead
+    (services/conductor/retention.py); the age limit is one no live call reaches."""
     return StreamConfig(
         name=subjects.STREAM,
         subjects=subjects.STREAM_SUBJECTS,
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        max_age=config.retention.max_age_s,
-        max_bytes=config.retention.max_bytes,
+        max_age=config.stream_max_age_s,
+        max_bytes=-1,
         num_replicas=config.retention.replicas,
         discard=DiscardPolicy.OLD,
         duplicate_window=120.0,
@@ -173,6 +178,7 @@ class BusConnection:
         self._denials = denials
         self.payloads = Payloads(self._js, config, int(nc.max_payload))
         self.kv: dict[str, Bucket] = {}
+        self.confirmer: Confirmer | None = None  # publishes the stream confirms (confirmed.py)
 
     @classmethod
     async def open(
@@ -212,14 +218,34 @@ class BusConnection:
                 nc = await asyncio.wait_for(nats.connect(**opts), connect_timeout)
         conn = cls(nc, config, denials)
         try:
-            if stream:
-                await conn.ensure_stream()
-            for b in buckets:
-                conn.kv[b] = await conn.bucket(b)
+            await conn._set_up(stream, buckets, connect_timeout)
+            if stream and config.confirms_publishes:
+                conn.confirmer = Confirmer(nc)
+                await conn.confirmer.start()
         except BaseException:
             await conn.close()
             raise
         return conn
+
+    async def _set_up(self, stream: bool, buckets: Sequence[str], timeout: float | None) -> None:
+        """The stream and buckets, tried again while the failure is recoverable (a cluster
+        electing its JetStream leader answers nothing for a while), for up to `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            try:
+                if stream:
+                    await self.ensure_stream()
+                    stream = False
+                for b in buckets:
+                    if b not in self.kv:
+                        self.kv[b] = await self.bucket(b)
+                return
+            except BusError as e:
+                if not e.recoverable or (deadline is not None and loop.time() > deadline):
+                    raise
+                log.warning("%s; trying again", e)
+                await asyncio.sleep(0.5)
 
     # -- set-up ----------------------------------------------------------------
     async def ensure_stream(self) -> None:
@@ -236,6 +262,7 @@ class BusConnection:
         with mapped(f"opening bucket {name}", self._denials):
             try:
                 kv = await self._js.key_value(name)
+                await self._allow_marker_ttl(name)
             except NotFoundError:
                 if not create:
                     raise
@@ -246,6 +273,15 @@ class BusConnection:
                 except BadRequestError:  # another process created it meanwhile
                     kv = await self._js.key_value(name)
         return Bucket(kv, name, self._denials)
+
+    async def _allow_marker_ttl(self, bucket: str) -> None:
+        """A bucket made by an older version may refuse per-message TTLs, which removals use
+        (kv.MARKER_TTL_S): allow them (a setting the server lets one turn on, never off)."""
+        info = await self._js.stream_info(f"KV_{bucket}")
+        if not info.config.allow_msg_ttl:
+            info.config.allow_msg_ttl = True
+            await self._js.update_stream(info.config)
+            log.info("bucket %s now allows the marker TTL of removed keys", bucket)
 
     async def durable(self, config: ConsumerConfig) -> Durable:
         """The durable consumer `config` names, created where missing, bound for pulling."""
@@ -276,10 +312,15 @@ class BusConnection:
         await self._nc.flush(timeout=max(1, math.ceil(timeout)))
 
     async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
-        """A core publish (the stream stores it all the same, with no round trip)."""
+        """A core publish (the stream stores it all the same, with no round trip). Where the
+        stream is replicated, one the stream confirms, sent again until it has stored it
+        (confirmed.py); the caller does not wait for that either."""
         with mapped(f"publishing {subject}", self._denials):
             headers, body = await self.payloads.outgoing(subject, body, headers)
-            await self._nc.publish(subject, body, headers=headers)
+            if self.confirmer is not None:
+                await self.confirmer.publish(subject, body, headers)
+            else:
+                await self._nc.publish(subject, body, headers=headers)
 
     async def store(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """A JetStream publish: returns once the stream has stored it."""
@@ -428,10 +469,40 @@ class BusConnection:
                 await svc.add_endpoint(name=ep, subject=subject, handler=_micro_handler(handler))
         return Announcement(svc)
 
+    # -- retention -------------------------------------------------------------
+    async def stream_bytes(self) -> int:
+        """The bytes the stream holds now."""
+        with mapped("reading the stream's state", self._denials):
+            info = await self._js.stream_info(subjects.STREAM)
+        return int(info.state.bytes or 0)
+
+    async def purge(self, subject: str) -> None:
+        """Remove every message the stream holds on `subject` (a wildcard: a whole call)."""
+        with mapped(f"purging {subject}", self._denials):
+            await self._js.purge_stream(subjects.STREAM, subject=subject)
+
+    async def stored_subjects(self, subject_filter: str) -> list[str]:
+        """The subjects matching `subject_filter` that the stream holds messages on, page by
+        page (the server gives up to 100,000 at a time; nats-py asks for the first page only)."""
+        found: list[str] = []
+        while True:
+            request = json.dumps({"subjects_filter": subject_filter, "offset": len(found)}).encode()
+            with mapped(f"listing {subject_filter}", self._denials):
+                reply = await self._nc.request(f"$JS.API.STREAM.INFO.{subjects.STREAM}", request, timeout=30.0)
+            info = json.loads(reply.data)
+            if "error" in info:
+                raise BusRefused(f"listing {subject_filter}", str(info["error"].get("description", info["error"])))
+            page = list((info.get("state") or {}).get("subjects") or {})
+            found += page
+            if not page or len(found) >= int(info.get("total") or 0):
+                return found
+
     # -- closing ---------------------------------------------------------------
     async def close(self, timeout: float = 2.0) -> None:
         """Flush what is written, then close. (nats-py's drain waits up to 30 s on the KV
         watchers' consumers; nothing here needs drain: unacked work is redelivered.)"""
+        if self.confirmer is not None:
+            await self.confirmer.close(timeout)
         try:
             await asyncio.wait_for(self._nc.flush(), timeout)
         except Exception as e:  # a closed or unreachable server: what was not flushed is lost either way

@@ -16,6 +16,7 @@ import subprocess
 import sysconfig
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
@@ -65,15 +66,18 @@ class NatsServer:
         log_file: str | Path | None = None,
         monitor_port: int | None = None,
         credentials: tuple[str, str] | None = None,
+        args: Sequence[str] = (),
     ) -> None:
         """`credentials` (user, password): clients must give them (`client_url` carries them);
-        without, anyone who reaches the port may connect."""
+        without, anyone who reaches the port may connect. `args`: more of nats-server's
+        options (a cluster node's: NatsCluster)."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port or free_port(host)
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.credentials = credentials
+        self.args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -101,6 +105,7 @@ class NatsServer:
             "-m", str(self.monitor_port),
             "-sd", str(self.store_dir),
             "-l", str(self.log_file),
+            *self.args,
         ]  # fmt: skip
         if self.credentials is not None:
             cmd += ["-c", str(self._write_auth_config())]
@@ -139,9 +144,12 @@ class NatsServer:
             f.write(f"authorization {{\n  user: {json.dumps(user)}\n  password: {json.dumps(password)}\n}}\n")
         return path
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, in_cluster: bool = False) -> None:
+        """Until /healthz passes: JetStream on; `in_cluster`, also the cluster's JetStream leader
+        known and the node current with it (a stream made before would be refused)."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+        health = "/healthz" if in_cluster else "/healthz?js-enabled-only=true"
+        url = f"http://{self.host}:{self.monitor_port}{health}"
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
@@ -172,6 +180,82 @@ class NatsServer:
         return None if self.proc is None else self.proc.poll()
 
     def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class NatsCluster:
+    """Nodes of one JetStream cluster (three by default), each a NatsServer with its own store
+    under `store_dir`, routes to the others on loopback. For trying duplexbus on a cluster
+    (`duplexbus nats --cluster`) and for the tests that kill a node; a real cluster runs one
+    node per machine. Streams and buckets on it want `retention.replicas: 3`."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        nodes: int = 3,
+        host: str = "127.0.0.1",
+        name: str = "duplexbus",
+        ports: Sequence[int] | None = None,
+    ) -> None:
+        """`ports`: each node's client port (free ones where not given)."""
+        self.store_dir = Path(store_dir)
+        self.name = name
+        routes = [free_port(host) for _ in range(nodes)]
+        self.nodes = [
+            NatsServer(
+                self.store_dir / self.node_name(i),
+                port=ports[i] if ports else None,
+                host=host,
+                args=self._node_args(i, host, routes),
+            )
+            for i in range(nodes)
+        ]
+
+    def _node_args(self, i: int, host: str, routes: list[int]) -> list[str]:
+        return [
+            "--server_name", self.node_name(i),
+            "--cluster_name", self.name,
+            "--cluster", f"nats://{host}:{routes[i]}",
+            "--routes", ",".join(f"nats://{host}:{p}" for j, p in enumerate(routes) if j != i),
+        ]  # fmt: skip
+
+    def node_name(self, i: int) -> str:
+        return f"{self.name}-{'abcdefghijklmnopqrstuvwxyz'[i]}"
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated (NATS_URL for a service that may use any node)."""
+        return ",".join(n.url for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> NatsCluster:
+        """Start every node, then wait until the cluster has its JetStream leader and each
+        node is current with it (a stream made before would be refused)."""
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            if node.exited() is None:
+                node.wait_ready(max(0.0, deadline - time.monotonic()), in_cluster=True)
+
+    def index_of(self, server_name: str) -> int:
+        return [self.node_name(i) for i in range(len(self.nodes))].index(server_name)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

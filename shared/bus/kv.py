@@ -14,17 +14,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nats.js.errors import NoKeysError
-from nats.js.kv import KeyValue
+from nats.js import api
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KV_OP, KV_PURGE, MSG_ROLLUP_SUBJECT, KeyValue
 
 from shared.bus.failures import Denials, mapped
 from shared.runtime import healthfile
-from shared.runtime.errors import BusError, BusNotFound
+from shared.runtime.errors import BusError, BusNotFound, KeyTaken
 from shared.runtime.process import every
 
 log = logging.getLogger(__name__)
 
 PUT, DELETE, PURGE = "PUT", "DEL", "PURGE"
+
+# How long the marker a removed key leaves stays (whole seconds, the server's least is 1). A
+# plain KV delete leaves its marker forever: one per call in duplex_calls and
+# duplex_request_ids, which every listing of keys (the conductor's restore) read again.
+# Watches see the marker as it is written; nothing reads it later.
+MARKER_TTL_S = 2
+WRONG_LAST_SEQUENCE = 10071  # the server's code for a conditional write that lost
+CREATE_TRIES = 3  # a create racing a removal's marker as it expires tries again
+PROBE_KEY = "_probe"  # never stored: writes to it are conditional on a revision no key reaches
 
 
 @dataclass(frozen=True)
@@ -72,13 +82,37 @@ class Bucket:
         self.name = name
         self._denials = denials
 
+    async def _write(self, key: str, headers: dict[str, str], timeout: float | None = None, ttl: float | None = None) -> None:
+        """A bodiless write to `key` with `headers`, as nats-py writes its own (its purge takes
+        no expected revision)."""
+        await self._kv._js.publish(f"{self._kv._pre}{key}", b"", headers=headers, timeout=timeout, msg_ttl=ttl)
+
     def _doing(self, what: str, key: str | None = None) -> contextlib.AbstractContextManager[None]:
         return mapped(f"{what} {self.name}" + (f"/{key}" if key else ""), self._denials)
 
     async def create(self, key: str, value: bytes) -> int:
-        """Store `value` under a key that must not exist yet (KeyTaken if it does): its revision."""
-        with self._doing("create", key):
-            return int(await self._kv.create(key, value))
+        """Store `value` under a key that must not exist yet (KeyTaken if it does): its revision.
+
+        A removed key holds a marker for MARKER_TTL_S, and a create over it names the marker's
+        revision; the marker may expire between reading it and writing, and nats-py's create
+        then fails ("key not found", or the key taken). So: write on the condition that the
+        key holds nothing, else what its last entry is a marker of, read afresh each try."""
+        last = 0
+        for _ in range(CREATE_TRIES):
+            try:
+                with self._doing("create", key):
+                    return int(await self._kv.update(key, value, last=last))
+            except KeyTaken:
+                pass
+            try:
+                with self._doing("create", key):
+                    await self._kv.get(key)
+            except BusNotFound as e:  # nothing there, or a marker (nats-py gives its entry)
+                marker = getattr(e.__cause__, "entry", None)
+                last = int(marker.revision) if marker is not None and marker.revision else 0
+                continue
+            break  # a value is there
+        raise KeyTaken(f"create {self.name}/{key}", "the key exists")
 
     async def put(self, key: str, value: bytes) -> int:
         with self._doing("put", key):
@@ -93,9 +127,33 @@ class Bucket:
             return None
 
     async def delete(self, key: str, last: int = 0) -> None:
-        """Delete `key`; with `last`, only if its revision is still that one (KeyTaken otherwise)."""
+        """Remove `key`; with `last`, only if its revision is still that one (KeyTaken otherwise).
+
+        Written as a purge whose marker expires after MARKER_TTL_S, so removed keys leave
+        nothing behind (watchers see a PURGE, which `KvEntry.removed` counts as a delete)."""
+        headers = {KV_OP: KV_PURGE, api.Header.ROLLUP: MSG_ROLLUP_SUBJECT}
+        if last:
+            headers[api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)
         with self._doing("delete", key):
-            await self._kv.delete(key, last=last or None)
+            try:
+                await self._write(key, headers, ttl=MARKER_TTL_S)
+            except APIError as e:
+                if e.err_code == WRONG_LAST_SEQUENCE:
+                    raise KeyWrongLastSequenceError(description=e.description) from e
+                raise
+
+    async def writable(self, timeout: float) -> bool:
+        """Whether the bucket takes writes now: its stream has a leader that answers. Asked with
+        a write the leader must refuse (a revision no key reaches), so nothing is stored; a
+        refusal within `timeout` is the answer wanted."""
+        headers: dict[str, str] = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(2**62)}
+        try:
+            await self._write(PROBE_KEY, headers, timeout=timeout)
+        except APIError as e:
+            return e.err_code == WRONG_LAST_SEQUENCE
+        except Exception:  # no answer, no responders, no connection: nats-py's own kinds
+            return False
+        return True
 
     async def keys(self) -> list[str]:
         """The keys that exist now ([] for an empty bucket)."""

@@ -1,8 +1,10 @@
 """Bodies over the server's max_payload go through the JetStream Object Store.
 
 The message on the call's subject then carries no body and names the object in a header;
-`body()` gives the bytes back either way. The bucket has the stream's retention, so a
-replayed call still finds its large payloads.
+`body()` gives the bytes back either way. The bucket keeps them as long as the stream keeps
+a call at most (`ServingConfig.stream_max_age_s`), with no byte limit, so neither a replayed
+call nor a live one (a worker taking it over) misses its large payloads. They go by age
+only: the conductor's removal of finished calls does not reach them.
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ class Payloads:
             except NotFoundError:
                 cfg = ObjectStoreConfig(
                     bucket=subjects.OBJ_PAYLOADS,
-                    ttl=self.config.retention.max_age_s,
-                    max_bytes=self.config.retention.max_bytes,
+                    ttl=self.config.stream_max_age_s,
                     storage=StorageType.FILE,
                     replicas=self.config.retention.replicas,
                 )

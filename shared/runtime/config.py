@@ -17,9 +17,18 @@ class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """What the stream keeps. Live calls are never cut: the conductor removes finished calls
+    (oldest first) past max_age_s or max_bytes, and refuses new calls past hard_max_bytes."""
+
     max_age_s: float = 24 * 3600
     max_bytes: int = 2 * 1024**3
+    hard_max_bytes: int | None = None  # None: twice max_bytes
     replicas: int = 1
+    confirm_publishes: bool | None = None  # None: where replicas > 1 (ServingConfig.confirms_publishes)
+
+    @property
+    def refuse_above_bytes(self) -> int:
+        return self.hard_max_bytes if self.hard_max_bytes is not None else 2 * self.max_bytes
 
 
 class RealtimeConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -102,6 +111,9 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(key, f"must be > 0, got {value}")
+        hard, soft = self.retention.hard_max_bytes, self.retention.max_bytes
+        if hard is not None and hard < soft:
+            raise ConfigError("retention.hard_max_bytes", f"must be >= retention.max_bytes ({soft}), got {hard}")
         if self.realtime.resume_grace_s < 0:
             raise ConfigError("realtime.resume_grace_s", "must be >= 0")
         if self.step_window_ms < 0:
@@ -118,6 +130,22 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         The model's topology applies them (`PartitionTopology.stream_limits`), which may lower
         a model's bound, never raise or remove it."""
         return {edge: s.max_items for edge, s in self.client_streams.items()}
+
+    @property
+    def confirms_publishes(self) -> bool:
+        """Items and outputs are published so that the stream confirms them, and sent again
+        until it has (shared/bus/confirmed.py): where the stream is replicated, its leader can
+        die, and until another is elected what is published is stored nowhere."""
+        confirm = self.retention.confirm_publishes
+        return confirm if confirm is not None else self.retention.replicas > 1
+
+    @property
+    def stream_max_age_s(self) -> float:
+        """The stream's own age limit: no call lives longer than max_call_duration_s, so one
+        that long past retention.max_age_s never cuts a live call. The conductor removes
+        finished calls at max_age_s; this only takes what it could not (a call whose open
+        never reached it)."""
+        return self.retention.max_age_s + self.max_call_duration_s
 
     @property
     def max_call_input_bytes(self) -> int:

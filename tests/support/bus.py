@@ -27,7 +27,7 @@ from shared.runtime.config import parse_config
 @contextlib.asynccontextmanager
 async def connected(nats_url: str) -> AsyncIterator[Client]:
     """A plain connection of the test's own, closed afterwards."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=nats_url.split(","))  # a cluster's URLs, comma-separated
     try:
         yield nc
     finally:

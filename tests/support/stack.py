@@ -220,7 +220,10 @@ class UpStack(Served):
         colocate: bool = False,
         folder: Path | None = None,
         log_level: str | None = "WARNING",
+        nats_url: str | None = None,
     ) -> None:
+        """`nats_url`: a NATS of the caller's (a cluster's URLs, comma-separated) instead of
+        the embedded server."""
         self.port = free_port()
         self.ports = [self.port]
         self.frontends = frontends
@@ -237,11 +240,13 @@ class UpStack(Served):
         env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}  # the embedded server, as on a fresh machine
         if log_level is not None:
             env["DUPLEXBUS_LOG"] = log_level
+        if nats_url:
+            env["NATS_URL"] = nats_url
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
         try:
             # `up` prints its serving line once every frontend answers and every worker heartbeats.
             self.wait_for("serving", unless="did not become ready")
-            url = saved_nats_url(self.run_dir)  # with the embedded server's credentials
+            url = nats_url or saved_nats_url(self.run_dir)  # with the embedded server's credentials
             if url is None:
                 raise RuntimeError("duplexbus up left no NATS URL in its run directory")
             self.nats_url = url
