@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.conductor import core
 from shared.bus import wire
 from shared.runtime.config import parse_config
@@ -92,7 +94,20 @@ def test_finish_when_every_partition_is_done() -> None:
     last = c.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=5, usage={"frames": 5})))
     f = fins(last)[0]
     assert (f.status, f.reason, f.usage, f.outputs) == (200, "completed", {"frames": 5}, {"Encoder": 0, "Talker": 5})
+    assert f.usage_by_partition == {"Encoder": {}, "Talker": {"frames": 5}}
     assert any(isinstance(a, core.DeleteRecord) for a in last) and "a" not in c.calls
+
+
+def test_usage_is_merged_by_meaning_not_added() -> None:
+    """A one-turn voice call: the Listener and the Talker each count the one turn. Before, the
+    finish said turns: 2."""
+    by_partition: dict[str, dict[str, Any]] = {
+        "Listener": {"turns": 1, "seconds": 4.2},
+        "Talker": {"turns": 1, "audio_s": 1.5},
+        "Recognizer": {"turns": 1},
+    }
+    assert core.merge_usage(by_partition) == {"turns": 1, "seconds": 4.2, "audio_s": 1.5}
+    assert core.merge_usage({"A": {"frames": 3, "tag": "x"}, "B": {"frames": 5, "tag": "y"}}) == {"frames": 5, "tag": "x"}
 
 
 def test_no_free_worker_is_503_but_no_worker_at_all_waits_then_503() -> None:
@@ -263,7 +278,7 @@ def test_a_call_survives_its_record_unchanged() -> None:
     c.handle(opened("a"))
     call = c.calls["a"]
     call.done["Encoder"] = 3
-    call.usage["frames"] = 3
+    call.usage["Encoder"] = {"frames": 3}
     back = core.Call.from_record(call.record())
     assert back.record() == call.record()
     assert (back.state, back.placement, back.open_streams) == (call.state, call.placement, call.open_streams)

@@ -174,7 +174,7 @@ class Call:
     placement: dict[str, str] = field(default_factory=dict)  # partition -> worker
     acked: set[str] = field(default_factory=set)  # partitions whose assignment was acknowledged
     done: dict[str, int] = field(default_factory=dict)  # partition -> outputs
-    usage: dict[str, Any] = field(default_factory=dict)
+    usage: dict[str, dict[str, Any]] = field(default_factory=dict)  # partition -> what it reported
     waiting_since: float = 0.0
     request_id_revision: int = 0
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
@@ -200,7 +200,7 @@ class Call:
             state=CallState(r.state),
             placement=dict(r.placement),
             done=dict(r.done),
-            usage=dict(r.usage),
+            usage={p: dict(u) for p, u in r.usage.items() if isinstance(u, dict)},
         )
 
     def record(self) -> wire.CallRecord:
@@ -219,8 +219,24 @@ class Call:
             open_streams=sorted(self.open_streams),
             placement=dict(self.placement),
             done=dict(self.done),
-            usage=dict(self.usage),
+            usage={p: dict(u) for p, u in self.usage.items()},
         )
+
+
+def merge_usage(by_partition: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One usage for the call, merged by meaning: partitions of one call that report the same
+    key count the same thing from their own side (the listener's turns and the talker's are
+    the same turns), so a number is the largest any partition reported, not their sum; any
+    other value is the first partition's (in partition name order). Each partition's own
+    figures stay in the finish's usage_by_partition."""
+    merged: dict[str, Any] = {}
+    for partition in sorted(by_partition):
+        for k, v in by_partition[partition].items():
+            if k not in merged:
+                merged[k] = v
+            elif isinstance(v, int | float) and isinstance(merged[k], int | float):
+                merged[k] = max(merged[k], v)
+    return merged
 
 
 class Conductor:
@@ -394,8 +410,7 @@ class Conductor:
         if call is None or ev.msg.partition in call.done:
             return []
         call.done[ev.msg.partition] = ev.msg.outputs
-        for k, v in ev.msg.usage.items():
-            call.usage[k] = call.usage.get(k, 0) + v if isinstance(v, int | float) else v
+        call.usage[ev.msg.partition] = dict(ev.msg.usage)
         if set(call.done) >= set(call.partitions):
             return self._finish(call, 200, "completed", None)
         return [SaveRecord(call.record())]
@@ -424,7 +439,14 @@ class Conductor:
             worker.calls.discard(call.cid)
             if any(call.placement[p] == w for p in call.acked) and worker.load > 0:
                 worker.load -= 1
-        fin = wire.Fin(status=status, reason=reason, usage=call.usage, error=error, outputs=call.done)
+        fin = wire.Fin(
+            status=status,
+            reason=reason,
+            usage=merge_usage(call.usage),
+            usage_by_partition={p: dict(u) for p, u in call.usage.items()},
+            error=error,
+            outputs=call.done,
+        )
         actions: list[Action] = [PublishFin(call.cid, fin, call.request_id, call.request_id_revision), DeleteRecord(call.cid)]
         if not was_queued:
             actions.extend(self._admit_queued())

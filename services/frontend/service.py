@@ -466,7 +466,17 @@ class FrontendService:
         if fin.status == 200:
             if not call.relay.complete:
                 log.warning("call %s finished with outputs missing", call.cid)
-            await self._cleanup(call, {"finish": {"reason": fin.reason, "usage": fin.usage, "call_id": call.cid}})
+            await self._cleanup(
+                call,
+                {
+                    "finish": {
+                        "reason": fin.reason,
+                        "usage": fin.usage,
+                        "usage_by_partition": fin.usage_by_partition,
+                        "call_id": call.cid,
+                    }
+                },
+            )
         else:
             await self._cleanup(call, {"error": fin.error or fin.reason, "status": fin.status})
 

@@ -113,8 +113,9 @@ class Fin(Msg, tag="fin"):
 
     status: int  # 200 on completion, else the client status
     reason: str
-    usage: dict[str, Any] = {}
+    usage: dict[str, Any] = {}  # merged by meaning (conductor.core.merge_usage)
     error: str | None = None
+    usage_by_partition: dict[str, dict[str, Any]] = {}  # what each partition reported
     outputs: dict[str, int] = {}  # partition -> outputs published
 
 
