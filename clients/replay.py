@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from clients.eval.core import Event, Kind
-from clients.eval.protocols import GenerateWS
+from clients.eval.core import Kind
+from clients.stored_call import client_rate, input_items, output_events
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection
 from shared.bus.history import Stored
@@ -40,7 +40,6 @@ from shared.sdk.audio import encode_wav
 
 CONNECT_TIMEOUT_S = 5.0  # a CLI command says it cannot reach NATS rather than wait forever
 STALL_MS = 500.0  # a gap this long between two messages of a call is marked in the table
-DEFAULT_RATE = 16_000
 
 
 @dataclass(frozen=True)
@@ -195,46 +194,6 @@ def raw(s: Stored, msg: wire.AnyMsg | None) -> str:
 
 
 # -- audio ----------------------------------------------------------------------------------------
-
-
-def client_rate(model: str, edge: str) -> int:
-    """The sample rate of a model's client stream (16 kHz where the model is unknown here)."""
-    from models.registry import get_model
-
-    try:
-        conns = get_model(model).topology.connections
-    except DuplexError:
-        return DEFAULT_RATE
-    for c in conns:
-        if c.from_client and c.edge_name == edge and c.limits is not None and c.limits.sample_rate:
-            return c.limits.sample_rate
-    return DEFAULT_RATE
-
-
-def input_items(msgs: Iterable[tuple[Stored, wire.AnyMsg | None]]) -> dict[str, list[tuple[int, int, bytes]]]:
-    """Per client stream: (seq, stored at ns, PCM bytes) of each item, in seq order, repeats dropped."""
-    out: dict[str, dict[int, tuple[int, int, bytes]]] = {}
-    for s, m in msgs:
-        if isinstance(m, wire.InputItem) and m.item.data is not None:
-            edge = subjects.parse(s.subject).edge or ""
-            out.setdefault(edge, {}).setdefault(m.seq, (m.seq, s.ts_ns, m.item.data.data))
-    return {e: [items[k] for k in sorted(items)] for e, items in out.items()}
-
-
-def outputs(msgs: Iterable[tuple[Stored, wire.AnyMsg | None]]) -> list[wire.OutputMsg]:
-    """The call's outputs in the order the client got them: per partition by seq, repeats dropped."""
-    seen: dict[tuple[str, int], wire.OutputMsg] = {}
-    for _, m in msgs:
-        if isinstance(m, wire.OutputMsg):
-            seen.setdefault((m.partition, m.seq), m)
-    return [seen[k] for k in sorted(seen)]
-
-
-def output_events(msgs: list[tuple[Stored, wire.AnyMsg | None]], rate: int) -> list[Event]:
-    """The call's outputs as `duplexbus eval`'s translator reads them from a socket (`rate`:
-    of audio that does not say its own)."""
-    translator = GenerateWS(rate)
-    return [ev for o in outputs(msgs) for ev in translator.classify(b'{"output": ' + o.json + b"}")]
 
 
 def write_audio(folder: Path, model: str, msgs: list[tuple[Stored, wire.AnyMsg | None]]) -> list[Path]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from clients.eval.core import Event, Kind
 from clients.eval.runner import Options, Sample, run_sample
-from clients.replay import client_rate, input_items, output_events
+from clients.stored_call import client_rate, input_items, output_events
 from shared.bus import wire
 from shared.bus.history import Stored
 
