@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,24 @@ async def test_killing_the_stream_leader_mid_call_loses_no_frame() -> None:
         assert await _stream_leader(cluster) != leader
         await asyncio.gather(*(c.finish(timeout=60, logs=stack.logs()) for c in calls))
         assert all(p.alive() for p in stack.procs.values()), stack.logs()
+        # The call is on record across the cluster: replay finds it by request_id, the dead
+        # node first in its URL list. What the old leader had not stored is sent again by the
+        # frontend until the new one confirms it, which can be after the call's finish: the
+        # record is complete within a few seconds.
+        urls = ",".join(n.url for n in [cluster.nodes[leader], *cluster.nodes])
+        argv = [sys.executable, "-m", "duplexbus.cli", "replay", "leader-0", "--nats-url", urls, "--json"]
+        kinds: Counter[str] = Counter()
+        for _ in range(10):
+            out = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:  # the cluster's API still settling after the election: once more
+                assert "no answer in time" in out.stderr, out.stderr
+                continue
+            lines = [line for line in out.stdout.splitlines() if '"subject"' in line]
+            kinds = Counter(line.split('"subject": "')[1].split('"')[0].split(".")[2] for line in lines)
+            if kinds["in"] >= 120 and kinds["out"] >= 120 and kinds["fin"] == 1:
+                break
+            await asyncio.sleep(1.0)
+        assert kinds["in"] >= 120 and kinds["out"] >= 120 and kinds["fin"] == 1, kinds
 
 
 async def test_a_worker_whose_node_dies_reconnects_and_keeps_its_calls() -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.nuid import NUID
 
 from shared.bus.internals import subscribe_direct
 
@@ -96,7 +97,7 @@ class Confirmer:
     def __init__(self, nc: Client, wait_s: float = WAIT_S, max_bytes: int = MAX_BYTES) -> None:
         self._nc = nc
         self.unconfirmed = Unconfirmed(wait_s, max_bytes)
-        self._prefix = f"_INBOX.{nc._nuid.next().decode()}."
+        self._prefix = f"_INBOX.{NUID().next().decode()}."
         self._room = asyncio.Event()
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None

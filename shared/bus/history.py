@@ -119,8 +119,13 @@ async def read_history(
     try:
         with mapped(doing, denials):
             info = await js.add_consumer(subjects.STREAM, cfg)
-        if not follow and not info.num_pending:
+        expected = info.num_pending or 0
+        if not follow and not expected:
             return
+        # A read that does not follow ends once it has what was stored when it began: a count,
+        # not the pending figure of a delivery, which on a cluster just after a new stream
+        # leader was elected can say 0 with messages still to come (a replay cut short).
+        delivered = 0
         heard = time.monotonic()
         while True:
             if not pushed.queue:
@@ -134,10 +139,11 @@ async def read_history(
             heard = time.monotonic()
             m = pushed.queue.popleft()
             pushed.taken()
-            seq, ts, pending = _ack_fields(m.reply)
+            seq, ts, _ = _ack_fields(m.reply)
             body = await payloads.body(m.headers, m.data) if payloads.is_stored(m.headers) else m.data
             yield Stored(m.subject, body, seq, ts)
-            if not follow and pending == 0:
+            delivered += 1
+            if not follow and delivered >= expected:
                 return
     finally:
         with contextlib.suppress(Exception):
