@@ -75,7 +75,10 @@ async def test_conductor_killed_mid_call_restarts_and_the_call_completes(stack: 
     await ws.send({"request_id": "steady", "end_input": True})  # its end-of-input waits in the stream
     await asyncio.sleep(0.5)
     stack.start_conductor()  # restores the call from KV; the durable consumer redelivers the rest
-    final = await ws.final("steady", timeout=60)
+    try:
+        final = await ws.final("steady", timeout=60)
+    except TimeoutError:
+        pytest.fail(f"no finish within 60 s of the conductor's restart:\n{stack.logs()}")
     assert "finish" in final, (final, stack.logs())
     outs = ws.outputs("steady")
     assert echo_bytes(outs) == samples.tobytes()
