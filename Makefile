@@ -25,13 +25,15 @@ up: $(STAMP)
 system-deps:
 	@bash scripts/system-deps.sh
 
+# -rs: a skipped test says why in one line (a compose test with no engine to run on, a
+# browser test with no chromium), never silently.
 test: $(STAMP) system-deps lint typecheck
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -rs $(ARGS)
 
 # No nats-server, no process (the tests tests/support/tiers.py leaves unmarked), nothing marked
 # slow; the five slowest are listed, so a slow newcomer is seen.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not integration and not slow" --durations=5 $(ARGS)
+	$(PY) -m pytest -q -rs -m "not integration and not slow" --durations=5 $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,26 @@ from shared.bus.embedded import free_port
 from shared.sdk.audio import encode_wav
 from tests.support import REPO
 from tests.support.stack import listening, procs_mentioning
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("target", ["test", "test-fast"])
+def test_make_test_says_why_a_test_was_skipped(tmp_path: Path, target: str) -> None:
+    """A skip (the compose test with no engine, say) shows its reason in one line, not only a count."""
+    skipped = tmp_path / "test_skipped.py"
+    skipped.write_text('import pytest\n\n\ndef test_it() -> None:\n    pytest.skip("no engine here: the reason")\n')
+    # The pytest line `make` would run, with the suite swapped for the one skipping file.
+    plan = subprocess.run(["make", "-n", "-s", target, f"ARGS={skipped}"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert plan.returncode == 0, plan.stderr
+    line = next(x for x in plan.stdout.splitlines() if " -m pytest " in x)
+    argv = shlex.split(line)
+    argv[0] = sys.executable
+    ran = subprocess.run(
+        [*argv, "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "SKIPPED" in ran.stdout and "no engine here: the reason" in ran.stdout, ran.stdout
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
