@@ -124,6 +124,30 @@ def test_a_stalled_partition_is_read_waiting_twice_as_long_each_time_until_input
     assert reads.tick(50.0, {}, []) == []  # input complete: nothing is awaited
 
 
+def test_only_input_that_can_be_lost_on_its_way_is_read_again_when_it_stalls() -> None:
+    """P reads the client's input, Q reads P's output ("mid"). With both here, Q's input is
+    handed over in the process and cannot be lost: a Q waiting on a P that is behind is not
+    read again, unless Q is paused (then its read is all it gets). Alone, Q's input comes
+    over the bus from another worker."""
+    topology = {"in": CLIENT, "mid": "P"}
+    reads = InputReads(stall_s=2.0, produced_by=topology)
+    p, q = ("c", "P"), ("c", "Q")
+    for unit, edges in ((p, ["in"]), (q, ["mid"])):
+        r = reads.subscribed(*unit, edges, now=0.0)
+        assert r is not None
+        reads.read_ended(*unit, r.read_id)
+    assert reads.may_lose(*p) and not reads.may_lose(*q)
+    assert [(s.partition, s.why) for s in reads.tick(3.0, {}, [p, q])] == [("P", Why.STALL)]
+    assert reads.tick(100.0, {}, [q]) == []  # however long it waits
+    newly, paused = reads.pause(*q)
+    assert newly and paused is not None and reads.may_lose(*q)
+    reads.read_ended(*q, paused.read_id)  # (its read failed, say)
+    assert [(s.partition, s.why) for s in reads.tick(200.0, {}, [q])] == [("Q", Why.STALL)]
+    alone = InputReads(produced_by=topology)
+    assert alone.subscribed("c", "Q", ["mid"], now=0.0) is not None
+    assert alone.may_lose("c", "Q") and not alone.may_lose("x", "Q")  # (a call not here has nothing to lose)
+
+
 def test_a_forgotten_call_is_never_read() -> None:
     reads = InputReads()
     r = reads.subscribed("c", "P", ["in"], now=0.0)

@@ -28,19 +28,10 @@ def test_a_stopping_worker_has_no_free_slots() -> None:
     assert w.capacity == 0
 
 
-def test_only_input_that_comes_over_the_bus_is_read_again_when_it_stalls() -> None:
-    """Both echo partitions here: the Talker's frames are handed over in the process and
-    cannot be lost on the way, so a Talker waiting on a slow Encoder is not read again from
-    the stream, unless it is paused (then its read is all it gets)."""
-    from services.worker.service import _Assigned
-
+def test_the_worker_tells_its_repair_policy_which_edges_it_produces_itself() -> None:
+    """Both echo partitions here: the Talker's frames come from the Encoder in this process
+    (repair.InputReads.may_lose has the rule; tests/test_repair.py tests it)."""
     w = WorkerService(parse_config({}), "echo")
-    w.calls["c"] = _Assigned("c", ["Encoder", "Talker"])
     for p in ("Encoder", "Talker"):
         w.reads.subscribed("c", p, w.runners[p].engine.input_edges(), now=0.0)
-    assert w._may_lose("c", "Encoder") and not w._may_lose("c", "Talker")
-    w.reads.pause("c", "Talker")
-    assert w._may_lose("c", "Talker")
-    alone = WorkerService(parse_config({}), "echo", ["Talker"])
-    alone.calls["c"] = _Assigned("c", ["Talker"])
-    assert alone._may_lose("c", "Talker")  # its frames come from another worker
+    assert w.reads.may_lose("c", "Encoder") and not w.reads.may_lose("c", "Talker")

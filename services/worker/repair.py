@@ -16,7 +16,11 @@ the call's other partitions here.
   missing for a whole period: read on from where the last read ended.
 - **Stall.** A lost last item or end of stream leaves no gap: a partition whose input is
   incomplete and that got nothing for `stall_s` is read again, the wait doubling (up to
-  `stall_max_s`) while such reads bring nothing, for clients that are merely idle.
+  `stall_max_s`) while such reads bring nothing, for clients that are merely idle. Only
+  input that can be lost is read so (`may_lose`): input that comes over the bus, or any
+  input of a paused partition. Edges produced by the call's partitions on this worker are
+  handed over in the process; a partition waiting on one of them that is behind is not
+  stalled, and a read would only bring again what it already has.
 - **Reconnect.** The subscriptions missed whatever was published meanwhile: every unit.
 - **Paused.** The worker had no room for the partition's input (flow control, `flow.py`):
   it stops taking its live input, which waits in the stream, and reads it on from there
@@ -89,10 +93,18 @@ class InputReads:
     """Per worker: fed with the units' edges, live input, read progress, the engines'
     gaps and the clock; answers with the reads to start."""
 
-    def __init__(self, period_s: float = REPAIR_PERIOD_S, stall_s: float = STALL_S, stall_max_s: float = STALL_MAX_S) -> None:
+    def __init__(
+        self,
+        period_s: float = REPAIR_PERIOD_S,
+        stall_s: float = STALL_S,
+        stall_max_s: float = STALL_MAX_S,
+        produced_by: Mapping[str, str] | None = None,
+    ) -> None:
         self.period_s = period_s  # the shell calls tick() this often
         self.stall_s = stall_s
         self.stall_max_s = stall_max_s
+        # edge -> the partition that produces it (the topology); an edge not in it comes over the bus
+        self._produced_by = dict(produced_by or {})
         self._calls: dict[str, dict[str, _Unit]] = {}  # cid -> partition -> unit
         self._seen: dict[Unit, Gaps] = {}  # gaps at the last tick
         self._next_id = 0
@@ -178,6 +190,18 @@ class InputReads:
             unit.paused = False
             unit.last_input, unit.stall_s = now, self.stall_s
 
+    def may_lose(self, cid: str, partition: str) -> bool:
+        """Whether input of the unit can be lost on its way here (so a stall read may find it):
+        some of its edges come over the bus (not produced by one of the call's partitions on
+        this worker), or it is paused (its live input is left in the stream)."""
+        unit = self._unit(cid, partition)
+        if unit is None:
+            return False
+        if unit.paused:
+            return True
+        here = self._calls[cid]
+        return any(self._produced_by.get(e) not in here for e in unit.edges)
+
     def reconnected(self) -> list[StartRead]:
         reads = []
         for cid, units in self._calls.items():
@@ -188,7 +212,8 @@ class InputReads:
 
     def tick(self, now: float, missing: Mapping[Unit, Gaps], awaiting: Iterable[Unit]) -> list[StartRead]:
         """Every `period_s`: `missing` are the engines' gaps per unit (the same gaps as at the
-        last tick: lost in transit), `awaiting` the units whose input is not complete."""
+        last tick: lost in transit), `awaiting` the units whose input is not complete (of
+        those, a stall reads only what may be lost: `may_lose`)."""
         reads = []
         for (cid, partition), gaps in missing.items():
             unit = self._unit(cid, partition)
@@ -201,6 +226,8 @@ class InputReads:
         for cid, partition in set(awaiting):
             unit = self._unit(cid, partition)
             if unit is None or unit.reading is not None or now - unit.last_input < unit.stall_s:
+                continue
+            if not self.may_lose(cid, partition):
                 continue
             detail = f"no input for {now - unit.last_input:.1f}s"
             unit.last_input, unit.stall_s = now, min(2 * unit.stall_s, self.stall_max_s)

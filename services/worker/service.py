@@ -124,7 +124,8 @@ class WorkerService:
         self._bus: BusConnection | None = None
         self._accepting = True
         self.tasks = TaskSet()
-        self.reads = InputReads()  # when a call's input is read from the stream (repair policy)
+        # when a call's input is read from the stream (repair policy)
+        self.reads = InputReads(produced_by=self.producer_of)
         self.bounds = Bounds(config.worker_call_buffer_bytes, config.worker_buffer_bytes)  # flow control
         self._freed = _Signal()  # a step or a dropped call freed held input
         self.repairs = 0  # catch-up reads started for items lost in transit
@@ -282,21 +283,9 @@ class WorkerService:
             missing: dict[Unit, Gaps] = {
                 (cid, p): gaps for p, r in self.runners.items() for cid, gaps in r.engine.missing().items()
             }
-            awaiting = [(cid, p) for p, r in self.runners.items() for cid in r.engine.awaiting_input() if self._may_lose(cid, p)]
+            awaiting = [(cid, p) for p, r in self.runners.items() for cid in r.engine.awaiting_input()]
             for read in self.reads.tick(time.monotonic(), missing, awaiting):
                 self._start_read(read)
-
-    def _may_lose(self, cid: str, partition: str) -> bool:
-        """Whether input of the call's partition can be lost on its way here: it comes over the
-        bus, or the partition is paused. Input that is all produced by the call's partitions in
-        this process is handed over directly, and a stall read of it would only read it again
-        (a partition waiting on another one here that is behind is not stalled)."""
-        call = self.calls.get(cid)
-        if call is None:
-            return False
-        if self.reads.paused(cid, partition):
-            return True
-        return any(self.producer_of.get(e) not in call.partitions for e in self.runners[partition].engine.input_edges())
 
     async def _on_reconnect(self) -> None:
         """While disconnected the core subscriptions missed whatever was published: read every
