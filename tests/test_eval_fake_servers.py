@@ -381,9 +381,16 @@ async def test_a_bug_in_the_client_fails_the_sample_with_its_traceback_not_a_tim
 # -- generate-ws ------------------------------------------------------------------------------
 
 
-def gws(finish: bool = True, reply_markers: bool = True, error: dict[str, Any] | None = None) -> Handler:
+def gws(
+    finish: bool = True,
+    reply_markers: bool = True,
+    error: dict[str, Any] | None = None,
+    finish_after: float = 0.0,
+    stall_close: bool = False,
+) -> Handler:
     """A scripted /generate/ws: echoes each append as audio; at end_input sends a reply end
-    (voice_assistant's markers) and the finish, unless told otherwise."""
+    (voice_assistant's markers) and, `finish_after` seconds later, the finish, unless told
+    otherwise. With `stall_close` it then never reads again, so the close is never answered."""
 
     async def handler(ws: ServerConnection) -> None:
         async for raw in ws:
@@ -402,7 +409,11 @@ def gws(finish: bool = True, reply_markers: bool = True, error: dict[str, Any] |
                 if reply_markers:
                     await ws.send(json.dumps({"request_id": rid, "output": {"type": "reply_end"}}))
                 if finish:
+                    await asyncio.sleep(finish_after)
                     await ws.send(json.dumps({"request_id": rid, "finish": {"reason": "completed", "call_id": "c1"}}))
+                if stall_close:
+                    ws.transport.pause_reading()
+                    await asyncio.sleep(30)
 
     return handler
 
@@ -435,3 +446,19 @@ async def test_generate_ws_audio_without_an_end_or_a_finish_is_retried() -> None
         o = await run("generate-ws")
     assert o.ok and o.retries == 1 and len(conns) == 2
     assert o.earlier[0]["stage"] == "close"
+
+
+async def test_generate_ws_a_late_finish_and_a_stalled_close_share_one_inner_bound() -> None:
+    # The finish comes 0.6 s into the close, then the close handshake is never answered. The
+    # inner close (the finish, then the handshake) has close_s in all: it reports the stall
+    # itself, before the outer wait (close_s + grace) would cut it short. Two waits of
+    # close_s each would take 1.6 s, past the outer 1.3 s.
+    bounds = Bounds(**{**BOUNDS.__dict__, "close_s": 1.0, "close_grace_s": 0.3})
+    async with serving(gws(finish_after=BOUNDS.quiet_s + 0.6, stall_close=True)) as conns:
+        o = await run("generate-ws", bounds=bounds)
+        ended = time.monotonic()
+    assert o.ok and o.retries == 0 and len(conns) == 1  # the finish came: published completed
+    assert o.attempt.proto.call_id == "c1"
+    assert o.error is not None and o.error.stage is Stage.CLOSE and o.error.failure is Failure.STALL
+    assert o.error.detail == "the server did not answer the close"  # the inner close's word, not the outer cut
+    assert ended - o.attempt.timeline.stage_started["close"] < bounds.close_s + bounds.close_grace_s

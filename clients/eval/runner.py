@@ -338,14 +338,20 @@ class Attempt:
             raise StageError(Stage.CLOSE, Failure.STALL, f"the close did not return within {outer:.1f}s") from None
 
     async def _goodbye(self, deadline: float) -> None:
-        """The inner close: the call's end where the protocol has one, then the close handshake."""
+        """The inner close: the call's end where the protocol has one, then the close handshake,
+        both within one deadline. The handshake gets what the wait for the end left of it, not
+        a `close_s` of its own: two full waits would outlast the outer bound (`close_s` plus
+        the grace), which would then cut the inner one short before it could say what it saw."""
         assert self.ws is not None
         await self._stop_padder()
         if self.proto.close_after_terminal:
             await self._until(Stage.CLOSE, lambda: self.drain.terminal, deadline, "end of the call")
         if self.closed:
             return
-        await self.ws.close()
+        # Our own bound rather than the library's close timeout, which starts afresh here and
+        # does not cover the close frame's send (it waits on a server that stopped reading).
+        with contextlib.suppress(TimeoutError):  # not answered in time: said below; `close()` drops the socket
+            await asyncio.wait_for(self.ws.close(), max(0.0, deadline - self.clock()))
         if self.ws.protocol.close_rcvd is None:
             raise StageError(Stage.CLOSE, Failure.STALL, "the server did not answer the close")
 
