@@ -96,6 +96,26 @@ async def test_bad_input_gets_error_events_and_the_socket_goes_on(stack: Stack) 
     await rt.close()
 
 
+async def test_json_nested_too_deeply_is_invalid_json_and_the_session_goes_on(stack: Stack) -> None:
+    """ "[" * 5000 makes the decoder recurse past the interpreter's limit: it is malformed JSON
+    like any other (it used to close the socket with no error event)."""
+    rt = await RT.open(stack)
+    await rt.next("session.created")
+    await rt.send(MANUAL_16K)
+    await rt.next("session.updated")
+    for deep in ("[" * 5000, "[" * 5000 + "]" * 5000, '{"a":' * 5000):
+        await rt.send(deep)
+        err = (await rt.next("error"))["error"]
+        assert (err["code"], err["param"], err["event_id"]) == ("invalid_json", None, None), err
+        assert "nested too deeply" in err["message"], err
+    clip = tone(0.2, 16000)
+    await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(clip)})
+    await rt.send({"type": "input_audio_buffer.commit"})
+    done = await rt.next("response.done")
+    assert audio_of(rt.seen, done["response"]["id"]) == clip.tobytes()
+    await rt.close()
+
+
 async def test_client_stream_limit_is_an_error_event_and_the_session_goes_on(stack: Stack) -> None:
     rt = await RT.open(stack)
     await rt.next("session.created")

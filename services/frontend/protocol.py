@@ -20,6 +20,8 @@ from shared.runtime.errors import BadRequest, LimitExceeded, ProtocolError
 from shared.sdk.model import ClientFile, ClientInput
 
 _json_decode = msgspec.json.Decoder().decode
+JSON_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+"""What decoding a client's JSON may raise (`decode_error` says which, for the client)."""
 
 
 class _AudioFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -129,10 +131,10 @@ def _parse_text(text: str | bytes, max_bytes: int | None, too_big: bool, one_sho
     its request_id and kind are read)."""
     try:
         raw = _json_decode(text)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+    except JSON_ERRORS as e:
         if too_big:
             return ParseError(_too_big(text, max_bytes))
-        return ParseError(ProtocolError(f"not JSON: {_decode_error(e)}"))
+        return ParseError(ProtocolError(f"not JSON: {decode_error(e)}"))
     if not isinstance(raw, dict):
         if too_big:
             return ParseError(_too_big(text, max_bytes))
@@ -172,7 +174,7 @@ def _fast_append(text: str | bytes) -> Append | None:
     return Append(msg.request_id, ClientInput(files=files))
 
 
-def _decode_error(e: Exception) -> str:
+def decode_error(e: Exception) -> str:
     # msgspec raises RecursionError for nesting deeper than the interpreter's recursion
     # limit ("[" * 5000): as malformed as any other JSON the client sends.
     return "nested too deeply" if isinstance(e, RecursionError) else str(e)

@@ -409,7 +409,10 @@ class RealtimeHub:
                     with contextlib.suppress(BaseException):
                         await receive
                     break
-                msg = receive.result()
+                try:
+                    msg = receive.result()
+                except (WebSocketDisconnect, RuntimeError):  # Starlette: the socket is gone already
+                    break
                 if msg["type"] == "websocket.disconnect":
                     code = int(msg.get("code") or 1006)
                     break
@@ -431,9 +434,8 @@ class RealtimeHub:
                             continue
                 if session.outbox is not outbox:
                     return  # another socket resumed this session
+                # Not under the receive's catch: a failure of our own is not a client leaving.
                 await session.handle(data)
-        except (WebSocketDisconnect, RuntimeError):
-            pass
         finally:
             waiter.cancel()
             await self._left(session, outbox, code)

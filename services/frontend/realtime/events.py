@@ -14,6 +14,8 @@ import msgspec
 import numpy as np
 import pybase64
 
+from services.frontend.protocol import JSON_ERRORS, decode_error
+
 MIN_RATE = 8_000
 MAX_RATE = 48_000
 DEFAULT_RATE = 24_000  # the GA default: PCM16 at 24 kHz
@@ -135,8 +137,8 @@ def parse_event(text: str | bytes) -> ClientEvent:
     """One client frame; raises ClientError (with the event's event_id when it had one)."""
     try:
         raw = _decode(text)
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise ClientError("invalid_json", f"not JSON: {e}") from None
+    except JSON_ERRORS as e:  # "[" * 5000 too: as /generate/ws says, "nested too deeply"
+        raise ClientError("invalid_json", f"not JSON: {decode_error(e)}") from None
     if not isinstance(raw, dict):
         raise ClientError("invalid_event", f"an event must be a JSON object, got {type(raw).__name__}")
     eid = raw.get("event_id")
