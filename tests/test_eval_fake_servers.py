@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import socket
 import time
@@ -107,6 +108,8 @@ class RT:
     stall_close: bool = False  # after the reply, never answer the close
     commit_empty: bool = False  # answer the commit with the "buffer empty" error (server VAD took it)
     got: list[str] = field(default_factory=list)
+    appends: list[tuple[float, bool, bytes]] = field(default_factory=list)  # (arrival, after the commit, audio)
+    committed_at: float | None = None
 
     async def __call__(self, ws: ServerConnection) -> None:
         ids = iter(range(10**6))
@@ -140,6 +143,7 @@ class RT:
                 await send("session.updated", session=m["session"])
             elif kind == "input_audio_buffer.append":
                 appends += 1
+                self.appends.append((time.monotonic(), committed, base64.b64decode(m["audio"])))
                 if committed:
                     after += 1
                     if self.listen_acks:
@@ -159,6 +163,7 @@ class RT:
                 if appends == self.stop_reading_after:
                     await asyncio.sleep(30)  # its receive queue fills, then the socket's buffers
             elif kind == "input_audio_buffer.commit":
+                self.committed_at = time.monotonic()
                 if self.commit_empty:
                     await send("input_audio_buffer.committed", item_id="i0")  # server VAD committed it first
                     await send("error", error={"type": "invalid_request_error", "code": COMMIT_EMPTY, "message": "empty"})
@@ -296,13 +301,27 @@ async def test_padding_keeps_a_model_that_steps_on_input_stepping() -> None:
     assert o.attempt.timeline.padding_appends >= 5
 
 
-async def test_padding_appends_have_the_clips_shape() -> None:
-    server = RT(reply_after_padding=3)
+@pytest.mark.parametrize("pace", ["realtime", "fast"])
+async def test_padding_appends_are_silence_of_the_clips_shape_on_the_media_clock(pace: str) -> None:
+    server = RT(reply_after_padding=6)
     async with serving(server):
-        o = await run(bounds=Bounds(**{**BOUNDS.__dict__, "quiet_s": 0.5}))
-    assert o.ok
-    commit = server.got.index("input_audio_buffer.commit")
-    assert server.got[commit + 1 :].count("input_audio_buffer.append") >= 3
+        o = await run(pace=pace, bounds=Bounds(**{**BOUNDS.__dict__, "quiet_s": 0.5}))
+    assert o.ok, o.error
+    clip = [audio for _, after, audio in server.appends if not after]
+    pads = [(t, audio) for t, after, audio in server.appends if after]
+    step = RATE * 80 // 1000  # samples per append at the default --append-ms 80
+    assert {len(a) for a in clip[:-1]} == {2 * step} and b"".join(clip) == CLIP.tobytes()
+    assert len(pads) >= 6 and len(pads) == o.attempt.timeline.padding_appends
+    # Real appends of silence, each the size of one of the clip's appends.
+    assert all(audio == bytes(2 * step) for _, audio in pads)
+    # On the media clock, whatever the pace of the clip: the k-th one goes when k appends'
+    # worth of audio has passed since the end of input (never ahead of it, never a burst),
+    # one append's duration apart.
+    assert server.committed_at is not None
+    for k, (t, _) in enumerate(pads, 1):
+        assert t - server.committed_at >= k * 0.080 - 0.04, (k, t - server.committed_at)
+    gaps = sorted(b - a for (a, _), (b, _) in itertools.pairwise(pads))
+    assert 0.06 <= gaps[len(gaps) // 2] <= 0.11, gaps
 
 
 async def test_an_early_close_is_retried_once() -> None:
