@@ -4,8 +4,9 @@ does the socket I/O.
 
 - `generate-ws`: duplexbus's own `WS /generate/ws` (docs/clients.md), one live call per
   socket. The opening and appends get no acknowledgement; `end_input` ends the call's
-  input (appends after it are refused, client rule 6), the model steps to its end by
-  itself and the `finish` ends the call. So nothing is padded after it.
+  input (appends after it are refused, client rule 6), the worker steps the call on
+  without input while its model has work, and the `finish` ends the call. So nothing is
+  padded (nor before `end_input`: that silence would be input; docs/eval.md, "Padding").
 - `realtime`: the OpenAI Realtime API (`WS /v1/realtime`, GA event names, with the beta
   names accepted on the way in). One session per sample: `session.created`, then a
   `session.update` that declares the clip's rate, `input_audio_buffer.append`s,
