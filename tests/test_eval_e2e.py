@@ -1,5 +1,5 @@
 """`duplexbus eval` as a user runs it, against a real `echo` stack: each reply byte-exact
-against the sent audio, over generate-ws, and over realtime where the frontend serves it.
+against the sent audio, over generate-ws and over realtime (the frontend's `WS /v1/realtime`).
 (`voice_assistant`: tests/test_eval_voice.py.)"""
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import websockets
-from websockets.exceptions import InvalidStatus
 
 from shared.sdk.audio import encode_wav
 from tests.support.eval import eval_cli, results
@@ -69,18 +67,7 @@ async def test_a_sample_the_deployment_refuses_is_recorded_with_its_stage_and_re
     assert all(r["reason"] == "server_error" and r["retries"] == 0 and "400" in r["detail"] for r in recs)
 
 
-async def _serves_realtime(stack: Stack) -> bool:
-    url = stack.ws_url().replace("/generate/ws", "/v1/realtime?model=echo")
-    try:
-        async with websockets.connect(url, open_timeout=5):
-            return True
-    except InvalidStatus:
-        return False
-
-
 async def test_echo_over_realtime_is_byte_exact(echo_stack: Stack, tmp_path: Path) -> None:
-    if not await _serves_realtime(echo_stack):
-        pytest.skip("the frontend does not serve WS /v1/realtime yet (issue 12's endpoint is not on main)")
     echo_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
     url = echo_stack.ws_url().replace("/generate/ws", "/v1/realtime")
@@ -89,5 +76,6 @@ async def test_echo_over_realtime_is_byte_exact(echo_stack: Stack, tmp_path: Pat
         "--turn-detection", "none", "--expect-echo", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _, summary = results(out)
-    assert summary["echo_exact"] == 3
+    recs, summary = results(out)
+    assert summary["samples"] == summary["ok"] == summary["echo_exact"] == 3 and summary["failed"] == 0
+    assert all(r["ok"] and r["echo_exact"] and r["retries"] == 0 for r in recs)
