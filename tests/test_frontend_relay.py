@@ -119,7 +119,7 @@ async def test_a_closed_outbox_gives_what_waits_then_none() -> None:
 
 
 async def test_stopping_a_socket_writer_does_not_swallow_the_callers_own_cancellation() -> None:
-    from services.frontend.app import _stop
+    from services.frontend.tasks import stop as _stop
 
     async def slow_to_stop() -> None:
         try:

@@ -29,6 +29,7 @@ from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.realtime.endpoint import RealtimeHub
 from services.frontend.service import Call, FrontendService
 from services.frontend.session import SocketSession, error_body
+from services.frontend.tasks import stop
 from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
@@ -252,7 +253,7 @@ class Endpoints:
         finally:
             await session.close()
             if writer is not None:
-                await _stop(writer)
+                await stop(writer)
             if outbox.overflowed:
                 await _close_quietly(ws, 1008, "client not reading")
 
@@ -310,7 +311,7 @@ class Endpoints:
             # reports to the guard.
             yield {DRAIN: self.service.drain, GUARD: self.guard}
         finally:
-            await _stop(sweeper)
+            await stop(sweeper)
             await self.hub.close()
             await self.service.close()
 
@@ -349,19 +350,6 @@ async def _write_all(ws: WebSocket, outbox: Outbox) -> None:
 def _as_outlet(ext: Any) -> Outlet | None:
     """The connection's outlet (the frontend's own WebSocket protocol), or None under another server."""
     return ext if ext is not None and hasattr(ext, "send_now") and hasattr(ext, "has_room") else None
-
-
-async def _stop(task: asyncio.Task[None]) -> None:
-    """Cancel a task of ours and wait for it; the caller's own cancellation goes on up."""
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
-    except Exception:
-        log.exception("a task failed as it was stopped")
 
 
 async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:

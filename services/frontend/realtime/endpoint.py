@@ -38,6 +38,7 @@ from services.frontend.realtime.session import (
 )
 from services.frontend.realtime.session import EndInput as EndInputAction
 from services.frontend.service import Call, FrontendService
+from services.frontend.tasks import stop
 from services.frontend.websocket import SEND_NOW
 from shared.bus import subjects, wire
 from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded, Overloaded
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.25  # how often waiting responses are checked against their deadline
 RESUME_READ_S = 5.0  # how long a resume waits for the stream to hold every event it must send
+LOG_DRAIN_S = 2.0  # how long a session that ends waits for its last events to be stored
 SEND_QUEUE = 8192  # under an ASGI server without the frontend's protocol: events waiting for the socket
 _decode_reply = msgspec.json.Decoder().decode
 
@@ -125,9 +127,7 @@ class Outbox:
         if self.writer is not None:
             while not self.queue.empty() and not self.writer.done():
                 await asyncio.sleep(0.01)
-            self.writer.cancel()
-            with contextlib.suppress(BaseException):
-                await self.writer
+            await stop(self.writer)
         with contextlib.suppress(Exception):
             await self.ws.close(code, reason)
 
@@ -257,11 +257,11 @@ class LiveSession:
 
     async def stop(self) -> None:
         if self.log is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.log.drain(), 2.0)
-        for t in list(self.tasks):
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+            try:
+                await asyncio.wait_for(self.log.drain(), LOG_DRAIN_S)
+            except TimeoutError:  # a resume could not have read them all
+                log.warning("realtime session %s: its last events were not all stored within %g s", self.rid, LOG_DRAIN_S)
+        await stop(*self.tasks)
 
     async def replay(self, outbox: Outbox, last_seen: int) -> None:
         """Send what the client missed (events after `last_seen`) from the stream, then attach:
@@ -301,9 +301,7 @@ class RealtimeHub:
     async def close(self) -> None:
         for s in list(self.detached.values()):
             await s.end("the frontend is stopping")
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop(*self._tasks)
 
     def _session(self, name: str, model: Model) -> LiveSession:
         mapping = model.realtime_mapping()
@@ -399,18 +397,18 @@ class RealtimeHub:
     async def _run(self, ws: WebSocket, outbox: Outbox, session: LiveSession) -> None:
         first = True
         code = 1006
-        waiter = asyncio.get_running_loop().create_task(session.closed.wait())
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_task(session.closed.wait())
+        receive: asyncio.Task[Any] | None = None
         try:
             while True:
-                receive = asyncio.get_running_loop().create_task(ws.receive())
+                receive = loop.create_task(ws.receive())
                 done, _ = await asyncio.wait({receive, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 if receive not in done:
-                    receive.cancel()
-                    with contextlib.suppress(BaseException):
-                        await receive
-                    break
+                    break  # the session is over; the receive is stopped below
+                done_receive, receive = receive, None
                 try:
-                    msg = receive.result()
+                    msg = done_receive.result()
                 except (WebSocketDisconnect, RuntimeError):  # Starlette: the socket is gone already
                     break
                 if msg["type"] == "websocket.disconnect":
@@ -430,15 +428,21 @@ class RealtimeHub:
                             if resumed is not session:
                                 session = resumed
                                 waiter.cancel()
-                                waiter = asyncio.get_running_loop().create_task(session.closed.wait())
+                                waiter = loop.create_task(session.closed.wait())
                             continue
                 if session.outbox is not outbox:
                     return  # another socket resumed this session
                 # Not under the receive's catch: a failure of our own is not a client leaving.
                 await session.handle(data)
         finally:
-            waiter.cancel()
-            await self._left(session, outbox, code)
+            pending = [t for t in (receive, waiter) if t is not None]
+            for t in pending:
+                t.cancel()
+            try:
+                await self._left(session, outbox, code)
+            finally:
+                # Last: where the handler itself is being cancelled, `stop` raises it on.
+                await stop(*pending)
 
     async def _left(self, session: LiveSession, outbox: Outbox, code: int) -> None:
         if session.outbox is not outbox and session.outbox is not None:

@@ -1,0 +1,119 @@
+"""The realtime endpoint's shell in process, without NATS or a server: a stand-in socket
+drives `RealtimeHub` and its `Outbox` (their task handling and what they tell a client)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+from starlette.websockets import WebSocket
+
+from services.frontend.realtime.endpoint import LiveSession, Outbox, RealtimeHub
+from services.frontend.service import FrontendService
+from shared.runtime.config import ServingConfig
+
+SLOW_STOP_S = 0.3
+
+
+async def slow_cleanup() -> None:
+    """SLOW_STOP_S of cleanup that a second cancel does not cut short."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + SLOW_STOP_S
+    while (left := end - loop.time()) > 0:
+        try:
+            await asyncio.sleep(left)
+        except asyncio.CancelledError:
+            pass
+
+
+class StandInSocket:
+    """What the endpoint uses of a Starlette WebSocket. No `send_now` extension: the outbox
+    queues and has a writer task, as under an ASGI server other than the frontend's own.
+    `receive` never returns and, like `send_text` once `stall_sends` is set, takes a while
+    to stop when cancelled."""
+
+    def __init__(self) -> None:
+        self.scope: dict[str, Any] = {"type": "websocket", "extensions": {}}
+        self.sent: list[str] = []
+        self.closed: list[tuple[int, str]] = []
+        self.stall_sends = False
+
+    async def receive(self) -> dict[str, Any]:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await slow_cleanup()
+        raise AssertionError("unreachable")
+
+    async def send_text(self, text: str) -> None:
+        if self.stall_sends:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await slow_cleanup()
+        self.sent.append(text)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        self.closed.append((code, reason))
+
+
+def as_ws(sock: StandInSocket) -> WebSocket:
+    return cast(WebSocket, sock)
+
+
+def live_session(hub: RealtimeHub) -> LiveSession:
+    return hub._session("echo", hub.svc.model("echo"))
+
+
+@pytest.fixture
+def hub() -> RealtimeHub:
+    return RealtimeHub(FrontendService(ServingConfig(model="echo")))
+
+
+async def cancelled_while_waiting(handler: asyncio.Task[None]) -> BaseException | None:
+    await asyncio.sleep(SLOW_STOP_S / 3)  # the handler is waiting for a task of its own to stop
+    assert not handler.done()
+    handler.cancel()
+    result = (await asyncio.gather(handler, return_exceptions=True))[0]
+    return result if isinstance(result, BaseException) else None
+
+
+async def test_cancelling_a_handler_while_its_outbox_writer_stops_is_not_swallowed() -> None:
+    sock = StandInSocket()
+    sock.stall_sends = True
+    outbox = Outbox(as_ws(sock))
+    outbox.send(b'{"type": "x"}')
+    await asyncio.sleep(0.01)  # the writer took it and is stuck sending
+    after: list[str] = []
+
+    async def handler() -> None:
+        await outbox.close(1000, "bye")
+        after.append("went on")  # ran when the handler's own cancellation was swallowed
+
+    got = await cancelled_while_waiting(asyncio.create_task(handler()))
+    assert isinstance(got, asyncio.CancelledError) and after == []
+    assert outbox.writer is not None and outbox.writer.done()
+
+
+async def test_cancelling_a_handler_while_its_receive_stops_is_not_swallowed(hub: RealtimeHub) -> None:
+    """The session ends (a Close from the core) while a receive is pending; the handler is
+    cancelled as it waits for that receive to stop: the cancellation goes on up, and the
+    session was closed and its socket closed all the same."""
+    sock = StandInSocket()
+    outbox = Outbox(as_ws(sock))
+    session = live_session(hub)
+    session.attach(outbox)
+    after: list[str] = []
+
+    async def handler() -> None:
+        await hub._run(as_ws(sock), outbox, session)
+        after.append("went on")
+
+    task = asyncio.create_task(handler())
+    await asyncio.sleep(0.01)
+    session.close_code = (1000, "session closed")
+    session.closed.set()
+    got = await cancelled_while_waiting(task)
+    assert isinstance(got, asyncio.CancelledError) and after == []
+    assert sock.closed == [(1000, "session closed")]
