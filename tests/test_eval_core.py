@@ -213,3 +213,21 @@ def test_word_error_rate_and_echo_identity() -> None:
     flipped = sent.copy()
     flipped[50] += 1
     assert not echo_exact(sent, flipped)
+
+
+@pytest.mark.parametrize("ms", ["79", "101", "20", "0", "80.5"])
+def test_append_ms_outside_80_to_100_is_a_command_line_error(ms: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from duplexbus.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["eval", "--synthesize", "1", "--append-ms", ms])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--append-ms" in err and ("80-100 ms" in err or "whole number" in err)
+
+
+@pytest.mark.parametrize("ms", [80, 90, 100])
+def test_append_ms_within_80_to_100_is_taken(ms: int) -> None:
+    from duplexbus.cli import build_parser
+
+    assert build_parser().parse_args(["eval", "--synthesize", "1", "--append-ms", str(ms)]).append_ms == ms

@@ -13,6 +13,20 @@ from clients.eval.core import Bounds
 from clients.eval.protocols import DEFAULT_URLS
 from clients.eval.runner import Options, Outcome, Sample, run_eval
 
+APPEND_MS = (80, 100)  # what a microphone client sends per append, and what the eval measures with
+
+
+def append_ms(text: str) -> int:
+    """`--append-ms`: whole milliseconds within APPEND_MS (argparse says what was wrong)."""
+    try:
+        ms = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of milliseconds: {text!r}") from None
+    lo, hi = APPEND_MS
+    if not lo <= ms <= hi:
+        raise argparse.ArgumentTypeError(f"{ms} ms is outside {lo}-{hi} ms, the append size of a live microphone")
+    return ms
+
 
 def options(args: argparse.Namespace) -> Options:
     bounds = Bounds(
@@ -113,7 +127,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="realtime",
         help="send appends in real time, or as fast as the socket takes them",
     )
-    ev.add_argument("--append-ms", type=int, default=80, help="audio per append (80-100 ms as a microphone sends)")
+    ev.add_argument("--append-ms", type=append_ms, default=80, help="audio per append, 80 to 100 ms (as a microphone sends)")
     ev.add_argument(
         "--rate", type=int, default=16000, help="sample rate of the clips on generate-ws (the model's) and of synthesized clips"
     )

@@ -7,8 +7,9 @@ one line and is tested with hand-made inputs:
 
 - a transport stall or an early close (the server stopped answering, or went away) is
   retried once, on a new connection;
-- an error the server sent (a 4xx, a model error, a failed response) is never retried: it
-  would fail the same way again;
+- an error the server sent (any status, 5xx included; a model error, a failed response) is
+  never retried: a 4xx or a model error would fail the same way again, and a 503 or 500
+  says what state the deployment is in, which the eval counts rather than hides;
 - a close that stalls after a completed reply publishes the sample as completed (the
   reply is all there; only the goodbye was lost);
 - an input or commit stall is retried once even under a completed reply: a reply does not
@@ -49,7 +50,7 @@ _NEXT: dict[Stage, frozenset[Stage]] = {
 class Failure(enum.Enum):
     STALL = "stall"  # a bounded wait ran out: the server stopped answering or reading
     CLOSED = "closed"  # the connection went away (or was refused) without a server error
-    SERVER_ERROR = "server_error"  # the server said no: an error event, a 4xx, a model error
+    SERVER_ERROR = "server_error"  # the server said no: an error event or an HTTP status (5xx too), a model error
     CLIENT_ERROR = "client_error"  # an exception in this client's own code
 
 
