@@ -20,6 +20,8 @@ BENCHES = [
     ["bench/voice_assistant_rtf.py"],
     ["-m", "bench.voice_latency"],
     ["-m", "bench.fast_call"],
+    ["-m", "bench.realtime_load", "--sessions", "20", "--seconds", "10"],
+    ["-m", "bench.replay_speed"],
     ["-m", "bench.cluster_cost", "--calls", "100,150,200,250,300,350", "--seconds", "8"],
     ["-m", "bench.confirm_cost", "--messages", "100000"],
     ["-m", "bench.janitor", "--calls", "9000", "--items", "25"],
