@@ -256,13 +256,17 @@ async def _replay(conn: BusConnection, args: argparse.Namespace) -> int:
     write = sys.stdout.write
     key: str = args.call
     cid = await live_call(conn, key) if args.follow and not subjects.is_cid(key) else None
+    ref: CallRef | None = None
     if cid is None:
         ref, status = _choose(await find_calls(conn, key), key, print)
         if ref is None:
             return status
         cid = ref.cid
     if args.follow:
-        table = Table()
+        # Times count from the call's open, as in the whole table (items published with the
+        # opening are stored before it): the first row seen is not the open then.
+        refs = [ref] if ref is not None else await find_calls(conn, cid)
+        table = Table(refs[0].opened_ns if refs else None)
         if not args.json:
             write(f"call {cid} (following)\n{Table.HEADER}\n")
         async for s, m in read_call(conn, cid, follow=True):

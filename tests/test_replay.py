@@ -147,8 +147,8 @@ def test_rerun_reports_how_outputs_differ() -> None:
 async def test_follow_tails_a_live_call_until_it_ends(stack: Stack) -> None:
     rid = "follow-1"
     ws = await WS.connect(stack.ws_url())
-    await ws.send({"request_id": rid})
-    await ws.send({"request_id": rid, "append": [pcm_file(SAMPLES[:FRAME])]})
+    # The opening carries the first frame: its item is stored before the call's open.
+    await ws.send({"request_id": rid, "files": [pcm_file(SAMPLES[:FRAME])]})
     await asyncio.sleep(0.3)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "duplexbus.cli", "replay", rid, "--follow", "--nats-url", stack.nats_url,
@@ -163,12 +163,19 @@ async def test_follow_tails_a_live_call_until_it_ends(stack: Stack) -> None:
         await ws.send({"request_id": rid, "append": [pcm_file(SAMPLES[i * FRAME : (i + 1) * FRAME])]})
         await asyncio.sleep(0.05)
     await ws.send({"request_id": rid, "end_input": True})
-    await ws.final(rid)
+    final = await ws.final(rid)
     await ws.close()
     rest, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err
-    kinds = [r[2] for r in rows("".join(lines) + rest.decode())]
+    followed = rows("".join(lines) + rest.decode())
+    kinds = [r[2] for r in followed]
     assert kinds.count("out") == 5 and kinds[-1] == "fin"
+    # Times count from the call's open, as in the table of the ended call, not from the
+    # first message seen (the opening's item, stored before the open).
+    assert kinds.index("in") < kinds.index("open") and float(followed[kinds.index("open")][0]) == 0.0
+    whole = await areplay(stack.nats_url, str(final["finish"]["call_id"]))
+    assert whole.returncode == 0, whole.stderr
+    assert [r[:3] for r in followed] == [r[:3] for r in rows(whole.stdout)]
 
 
 async def test_a_nats_url_list_reaches_the_server_that_answers(stack: Stack) -> None:
