@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import urllib.request
 from collections.abc import AsyncIterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,8 +14,7 @@ import websockets
 
 from services.frontend.realtime.session import event_number
 from shared.sdk.audio import b64_pcm16
-from tests.support.client import WS
-from tests.support.realtime import MANUAL_16K, audio_of, check_event, check_responses, tone
+from tests.support.realtime import MANUAL_16K, RT, audio_of, calls, check_responses, tone, wait_calls
 from tests.support.stack import Stack, running_stack
 
 GRACE_S = 1.5
@@ -34,43 +30,6 @@ CONFIG = {
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
     async with running_stack(nats_url, CONFIG) as s:
         yield s
-
-
-def url(stack: Stack) -> str:
-    return f"ws://127.0.0.1:{stack.ports[0]}/v1/realtime?model=echo"
-
-
-class RT(WS):
-    """A raw realtime socket: every event received is validated and kept in `seen`."""
-
-    seen: list[dict[str, Any]]
-
-    @classmethod
-    async def open(cls, stack: Stack) -> RT:
-        sock = cls(await websockets.connect(url(stack), max_size=None))
-        sock.seen = []
-        return sock
-
-    async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
-        e = await super().recv(timeout)
-        check_event(e)
-        self.seen.append(e)
-        return e
-
-    async def next(self, kind: str, timeout: float = 20.0) -> dict[str, Any]:
-        return await self.until(lambda e: e["type"] == kind, timeout)
-
-
-def calls(stack: Stack) -> int:
-    with urllib.request.urlopen(stack.http_url() + "/healthz", timeout=5) as r:
-        return int(json.loads(r.read())["calls"])
-
-
-async def wait_calls(stack: Stack, n: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while calls(stack) != n:
-        assert time.monotonic() < deadline, f"{calls(stack)} calls, expected {n}"
-        await asyncio.sleep(0.1)
 
 
 async def test_bad_input_gets_error_events_and_the_socket_goes_on(stack: Stack) -> None:

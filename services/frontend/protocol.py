@@ -117,10 +117,7 @@ def parse_message(text: str | bytes, max_bytes: int | None = None, one_shot: boo
     """One client message. Over `max_bytes` it is refused (400 naming max_message_mb)
     after reading only its request_id and kind, so the reply can name the call.
     `one_shot` (`POST /generate`): an opening ends every client stream, whatever its end_input."""
-    size = len(text)
-    too_big = max_bytes is not None and (
-        size > max_bytes or (isinstance(text, str) and 4 * size > max_bytes and len(text.encode()) > max_bytes)
-    )
+    too_big = max_bytes is not None and over_bytes(text, max_bytes)
     if not too_big and not one_shot and (fast := _fast_append(text)) is not None:
         return fast
     return _parse_text(text, max_bytes, too_big, one_shot)
@@ -133,18 +130,18 @@ def _parse_text(text: str | bytes, max_bytes: int | None, too_big: bool, one_sho
         raw = _json_decode(text)
     except JSON_ERRORS as e:
         if too_big:
-            return ParseError(_too_big(text, max_bytes))
+            return ParseError(too_big_error(text, max_bytes))
         return ParseError(ProtocolError(f"not JSON: {decode_error(e)}"))
     if not isinstance(raw, dict):
         if too_big:
-            return ParseError(_too_big(text, max_bytes))
+            return ParseError(too_big_error(text, max_bytes))
         return ParseError(ProtocolError(f"a message must be a JSON object, got {type(raw).__name__}"))
     msg = _strip_nulls(raw)
     rid = msg.get("request_id")
     rid_text = rid if isinstance(rid, str) else None
     kind = kind_of(msg)
     if too_big:
-        return ParseError(_too_big(text, max_bytes), rid_text, kind)
+        return ParseError(too_big_error(text, max_bytes), rid_text, kind)
     try:
         return _parse(msg, kind, one_shot)
     except ProtocolError as e:
@@ -180,7 +177,14 @@ def decode_error(e: Exception) -> str:
     return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
-def _too_big(text: str | bytes, max_bytes: int | None) -> LimitExceeded:
+def over_bytes(text: str | bytes, max_bytes: int) -> bool:
+    """The message is over `max_bytes` as UTF-8 (encoded only where its length in characters
+    leaves a doubt: a UTF-8 character is at most 4 bytes)."""
+    size = len(text)
+    return size > max_bytes or (isinstance(text, str) and 4 * size > max_bytes and len(text.encode()) > max_bytes)
+
+
+def too_big_error(text: str | bytes, max_bytes: int | None) -> LimitExceeded:
     n = len(text.encode()) if isinstance(text, str) else len(text)
     return LimitExceeded("max_message_mb", f"a message of {n} bytes is over the limit of {max_bytes} bytes")
 

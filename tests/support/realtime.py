@@ -1,13 +1,22 @@
 """Shared by the realtime tests: every server event checked against the official `openai`
-SDK's typed event models, and a count of response.done per response."""
+SDK's typed event models, a count of response.done per response, and a raw realtime socket
+on a test stack."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+import urllib.request
 from collections import Counter
 from typing import Any
 
 import numpy as np
+import websockets
 from pydantic import TypeAdapter
+
+from tests.support.client import WS
+from tests.support.stack import Stack
 
 # Our extensions (vllm-omni's names): not in the SDK's union, checked for their envelope.
 EXTENSIONS = {"playback.acknowledged", "session.closed", "session.heartbeat", "session.resumed"}
@@ -78,3 +87,48 @@ def snr_db(ref: np.ndarray, got: np.ndarray) -> float:
 def tone(seconds: float, rate: int, hz: float = 440.0, amp: float = 8000.0) -> np.ndarray:
     t = np.arange(round(seconds * rate)) / rate
     return (amp * np.sin(2 * np.pi * hz * t)).astype(np.int16)
+
+
+def url(stack: Stack, model: str = "echo") -> str:
+    return f"ws://127.0.0.1:{stack.ports[0]}/v1/realtime?model={model}"
+
+
+class RT(WS):
+    """A raw realtime socket: every event received is validated and kept in `seen`."""
+
+    seen: list[dict[str, Any]]
+
+    @classmethod
+    async def open(cls, stack: Stack) -> RT:
+        sock = cls(await websockets.connect(url(stack), max_size=None))
+        sock.seen = []
+        return sock
+
+    async def recv(self, timeout: float = 10.0) -> dict[str, Any]:
+        e = await super().recv(timeout)
+        check_event(e)
+        self.seen.append(e)
+        return e
+
+    async def next(self, kind: str, timeout: float = 20.0) -> dict[str, Any]:
+        return await self.until(lambda e: e["type"] == kind, timeout)
+
+    async def closed(self, timeout: float = 10.0) -> int | None:
+        """Read until the server closes the socket; its close code."""
+        try:
+            while True:
+                await self.recv(timeout)
+        except websockets.ConnectionClosed:
+            return self.ws.close_code
+
+
+def calls(stack: Stack) -> int:
+    with urllib.request.urlopen(stack.http_url() + "/healthz", timeout=5) as r:
+        return int(json.loads(r.read())["calls"])
+
+
+async def wait_calls(stack: Stack, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while calls(stack) != n:
+        assert time.monotonic() < deadline, f"{calls(stack)} calls, expected {n}"
+        await asyncio.sleep(0.1)

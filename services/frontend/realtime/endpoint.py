@@ -24,7 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.frontend.outbox import Outbox as CallOutbox
 from services.frontend.outbox import Reply, to_json
-from services.frontend.protocol import Append, EndInput, Opening
+from services.frontend.protocol import Append, EndInput, Opening, over_bytes, too_big_error
 from services.frontend.realtime import events as ev
 from services.frontend.realtime.session import (
     Close,
@@ -219,9 +219,10 @@ class LiveSession:
             self.deliver(self.core.tick(time.monotonic()))
 
     async def handle(self, data: str | bytes) -> None:
-        if len(data) > self.svc.config.max_message_bytes:
-            limit = self.svc.config.max_message_bytes
-            self.deliver(self.core.error("invalid_value", f"max_message_mb: an event of {len(data)} bytes is over {limit}"))
+        limit = self.svc.config.max_message_bytes
+        if over_bytes(data, limit):  # as on /generate/ws: refused unread, the session goes on
+            e = too_big_error(data, limit)
+            self.deliver(self.core.error("limit_exceeded", e.message, e.limit))
             return
         try:
             event = ev.parse_event(data)
@@ -417,8 +418,9 @@ class RealtimeHub:
                 data = msg.get("text")
                 if data is None:
                     data = msg.get("bytes") or b""
-                if first:
-                    first = False
+                resume = first and not over_bytes(data, self.svc.config.max_message_bytes)
+                first = False
+                if resume:  # a resume is the first event; anything else goes to the session
                     with contextlib.suppress(ev.ClientError):
                         event = ev.parse_event(data)
                         if isinstance(event.action, ev.Resume):

@@ -643,4 +643,6 @@ def _close_code(status: int) -> tuple[int, str]:
         return 1000, "session closed"
     if status == 503:
         return 1013, "try again later"
+    if status == 408:  # request_timeout_s or max_call_duration_s: a limit of the server's, not a failure
+        return 1008, "session expired"
     return 1011, f"the call ended ({status})"
