@@ -145,6 +145,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     from services.frontend.app import create_app
     from services.frontend.http import FrontendHttpProtocol
+    from services.frontend.server import FrontendServer
     from services.frontend.websocket import FrontendWebSocketProtocol
     from shared.runtime.process import setup_logging, tune_gc
 
@@ -172,7 +173,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     )
     # --fd: a listening socket inherited from `duplexbus up`, which every frontend accepts on.
     sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else None
-    uvicorn.Server(config).run(sockets=sockets)
+    FrontendServer(config, cfg.shutdown_drain_s).run(sockets=sockets)
     return 0
 
 

@@ -1,14 +1,19 @@
 """A service's stop is bounded (shared.runtime.process.run_until_stopped): one that ends on
-its own is left to, one that does not is cancelled after its grace."""
+its own is left to, one that does not is cancelled after its grace, and one that does not
+end even then ends the process (as `exit_after` does, the frontend's hard stop)."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 
 from shared.runtime.process import run_until_stopped
+from tests.support import REPO
 
 
 async def test_a_service_that_stops_by_itself_is_not_cut_short() -> None:
@@ -49,3 +54,51 @@ async def test_a_service_that_fails_raises_its_error() -> None:
 
     with pytest.raises(RuntimeError, match="a bug"):
         await run_until_stopped(failing, asyncio.Event(), grace_s=1.0)
+
+
+def _run(code: str, timeout: float = 20.0) -> tuple[int, float, str]:
+    """A Python process running `code`: (exit status, seconds it took, stderr)."""
+    start = time.monotonic()
+    argv = [sys.executable, "-c", textwrap.dedent(code)]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return done.returncode, time.monotonic() - start, done.stderr
+
+
+def test_a_service_that_ignores_its_cancellation_ends_the_process() -> None:
+    """The last step of run_until_stopped: cancelled and still not done (a step stuck in a
+    thread, a handler that swallows its cancellation), the process exits with status 1."""
+    code, took, err = _run("""
+        import asyncio
+        from shared.runtime import process
+        process.STOP_GRACE_S = 0.3
+
+        async def deaf(stop):
+            while True:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    pass  # will not stop
+
+        async def main():
+            stop = asyncio.Event()
+            asyncio.get_running_loop().call_later(0.1, stop.set)
+            await process.run_until_stopped(deaf, stop, grace_s=0.3)
+
+        asyncio.run(main())
+        print("returned")
+        """)
+    assert code == 1 and "did not stop when cancelled: exiting" in err, err
+    assert took < 10
+
+
+def test_a_hard_stop_ends_a_process_whose_loop_is_stuck() -> None:
+    """process.exit_after (the frontend arms it on the stop signal): it exits from a thread of
+    its own, so a loop stuck in a blocking call does not hold the process."""
+    code, took, err = _run("""
+        import time
+        from shared.runtime.process import exit_after
+        exit_after(1.0, "the test's process")
+        time.sleep(60)  # the event loop's thread, stuck
+        """)
+    assert code == 1 and "the test's process still stopping 1 s after the signal: exiting" in err, err
+    assert took < 10

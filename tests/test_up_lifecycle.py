@@ -13,6 +13,7 @@ stops on SIGTERM, NATS reachable or not. Real processes throughout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -31,10 +32,11 @@ from nats.errors import NoServersError
 from duplexbus.supervisor import saved_nats_url
 from models.echo import FRAME
 from shared.bus.embedded import NatsServer, StoreInUse, free_port
+from shared.runtime.process import stop_bound_s
 from tests.support.audio import echo_bytes, pcm_file
 from tests.support.bus import own_nats_server
 from tests.support.client import WS
-from tests.support.stack import UpStack, listening, procs_mentioning
+from tests.support.stack import UpStack, listening, procs_mentioning, running_stack
 
 PY = [sys.executable, "-m", "duplexbus.cli"]
 
@@ -197,3 +199,46 @@ def test_every_service_stops_on_sigterm_with_nats_out_of_reach(tmp_path: Path, r
             p.kill()
             pytest.fail(f"{role} ({case}) did not stop within 15 s of SIGTERM")
         assert time.monotonic() - start < 15
+
+
+LIVE_CALLS = 8
+
+
+async def test_a_frontend_with_live_calls_stops_within_its_bound_on_sigterm_with_nats_frozen() -> None:
+    """NATS frozen (SIGSTOP: connected, answering nothing) under 8 live calls. Each call's
+    abort waits on round trips that time out after seconds; one call after another that was
+    over a minute. SIGTERM ends the frontend within its bound (stop_bound_s: shutdown_drain_s
+    + 10 s), and every client is told that the frontend is stopping."""
+    drain_s = 1.0
+    bound = stop_bound_s(drain_s)
+    with own_nats_server("duplexbus-stop-live-") as server:
+        async with running_stack(server.url, {"shutdown_drain_s": drain_s}) as stack:
+            sockets = [await WS.connect(stack.ws_url()) for _ in range(2)]
+            rids = [f"live-{i}" for i in range(LIVE_CALLS)]
+            samples = (np.arange(FRAME) % 7000).astype("<i2")
+            for i, rid in enumerate(rids):  # live: their input stays open
+                await sockets[i % 2].send({"request_id": rid, "files": [pcm_file(samples)]})
+            for i, rid in enumerate(rids):
+                await sockets[i % 2].until(lambda m, rid=rid: m.get("request_id") == rid and "output" in m, timeout=30)
+            assert server.proc is not None
+            frontend = stack.procs["frontend-0"]
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                frontend.p.terminate()
+                start = time.monotonic()
+                try:
+                    await asyncio.to_thread(frontend.p.wait, bound + 10)
+                except subprocess.TimeoutExpired:
+                    frontend.kill()
+                    pytest.fail(f"the frontend did not stop within {bound + 10:.0f} s of SIGTERM:\n{frontend.tail()}")
+                took = time.monotonic() - start
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)  # the rest of the stack stops as usual
+            assert took < bound + 1.0, f"{took:.1f} s, bound {bound:.0f} s:\n{frontend.tail()}"
+            for i, rid in enumerate(rids):
+                m = await sockets[i % 2].final(rid, timeout=1)
+                assert m.get("status") == 503 and "stopping" in m["error"], m
+            for ws in sockets:
+                with contextlib.suppress(Exception):
+                    await ws.close()
+            print(f"stopped in {took:.1f} s (bound {bound:.0f} s), exit {frontend.p.returncode}\n{frontend.tail(8)}")

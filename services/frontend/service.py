@@ -43,6 +43,10 @@ from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
 
+# A stop's bounds past the drain (the whole stop: process.stop_bound_s, server.FrontendServer):
+ABORTS_S = 3.0  # the aborts of the calls still live, published at once, all within this
+LEAVE_S = 3.0  # then the heartbeat key's delete and the bus's close
+
 
 class Sink(Protocol):
     """Takes a call's server -> client messages; never blocks (`outbox.Outbox`)."""
@@ -177,16 +181,50 @@ class FrontendService:
             await asyncio.sleep(0.05)
         if self.calls:
             log.warning("ending %d calls still live after %.0f s of draining", len(self.calls), self.config.shutdown_drain_s)
-        for call in list(self.calls.values()):
-            await self.abort(call, "the frontend is stopping", 503, tell_client=True)
+            await self._abort_all("the frontend is stopping", 503)
+
+    async def _abort_all(self, reason: str, status: int) -> None:
+        """Abort every live call at once, within ABORTS_S in all: with NATS out of reach each
+        abort's round trips wait for their timeouts (seconds each), and one after another
+        they would hold the stop for seconds per call. A call whose abort is cut short is told
+        all the same; its abort is lost (the conductor ends it when this frontend is lost)."""
+        calls = list(self.calls.values())
+        aborts = [asyncio.ensure_future(self.abort(c, reason, status, tell_client=True)) for c in calls]
+        try:
+            _, late = await asyncio.wait(aborts, timeout=ABORTS_S)
+        finally:
+            for t in aborts:
+                t.cancel()
+            results = await asyncio.gather(*aborts, return_exceptions=True)
+        for call in calls:
+            if not call.ended.is_set():  # cut short before it told its client
+                self.calls.pop(call.cid, None)
+                self._let_go(call, {"error": reason, "status": status})
+        for r in results:
+            if isinstance(r, Exception):
+                log.error("aborting a call on stopping failed: %r", r)
+        if late:
+            log.error(
+                "%d of %d calls' aborts were not published within %.0f s (NATS out of reach?); they were ended here",
+                len(late),
+                len(calls),
+                ABORTS_S,
+            )
 
     async def close(self) -> None:
-        """Stop intake, drain, then stop the side tasks and leave the bus."""
+        """Stop intake, drain, then stop the side tasks and leave the bus (within LEAVE_S:
+        what is not done by then the bus does without, the heartbeat key by its TTL)."""
         await self.drain()
         await self.tasks.close()
         if self._bus is not None:
-            await self.frontends.delete_if_there(self.frontend_id)
-            await self._bus.close()
+            try:
+                await asyncio.wait_for(self._leave(self._bus), LEAVE_S)
+            except TimeoutError:
+                log.warning("leaving the bus took more than %.0f s (NATS out of reach?): stopping without", LEAVE_S)
+
+    async def _leave(self, bus: BusConnection) -> None:
+        await self.frontends.delete_if_there(self.frontend_id)
+        await bus.close()
 
     def model(self, name: str | None) -> Model:
         name = name or self.default_model
@@ -332,6 +370,10 @@ class FrontendService:
         call.input.close()
         if call.request_id is not None and self._bus is not None:
             await self.rids.release(call.request_id, call.cid.encode(), call.request_id_revision)
+        self._let_go(call, reply)
+
+    def _let_go(self, call: Call, reply: dict[str, Any] | None) -> None:
+        """The rest of `_cleanup`, with no await: also for a call whose cleanup was cut short."""
         call.ended.set()
         # No await from here to the owner's forgetting it: the reply and the forgetting are
         # one step for whoever reads the sink.

@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -109,6 +110,32 @@ class Outage:
 
 
 STOP_GRACE_S = 5.0  # past a service's own drain: how long a stop may take before it is cut short
+
+
+def stop_bound_s(drain_s: float) -> float:
+    """The longest a service takes to stop once signalled: its drain, STOP_GRACE_S to end on
+    its own, STOP_GRACE_S more once it is cut short; past that the process exits."""
+    return drain_s + 2 * STOP_GRACE_S
+
+
+def exit_after(seconds: float, what: str) -> threading.Timer:
+    """A stop's last resort: unless cancelled, the process exits (status 1) `seconds` from now,
+    from a thread of its own, so it does even where the event loop is stuck. The line that
+    says so is written from yet another thread, waited on for a second at most: a stuck
+    process may be stuck writing its log (a full pipe), holding the handler's lock."""
+
+    def cut() -> None:
+        said = threading.Thread(
+            target=log.error, args=("%s still stopping %.0f s after the signal: exiting", what, seconds), daemon=True
+        )
+        said.start()
+        said.join(1.0)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 async def run_until_stopped(run: Callable[[asyncio.Event], Awaitable[None]], stop: asyncio.Event, grace_s: float) -> None:
