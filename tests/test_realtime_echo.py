@@ -91,6 +91,27 @@ async def test_echo_24khz_comes_back_within_the_bound(stack: Stack) -> None:
     assert snr_db(clip, got) > 40.0
 
 
+@pytest.mark.parametrize(("input_rate", "output_rate"), [(48000, 48000), (8000, 24000)])
+async def test_echo_at_other_rates_comes_back_at_the_output_rate(stack: Stack, input_rate: int, output_rate: int) -> None:
+    """48 kHz both ways, and 8 kHz in with 24 kHz out: the reply is at the declared output
+    rate, within the bound the pure test states (+-2 samples, SNR above 50 dB)."""
+    events: list[dict[str, Any]] = []
+    session = manual(input_rate)
+    session["audio"]["output"]["format"] = {"type": "audio/pcm", "rate": output_rate}
+    async with client(stack).realtime.connect(model="echo") as conn:
+        await conn.session.update(session=session)  # type: ignore[arg-type]
+        await until(conn, "session.updated", events)
+        clip = tone(0.5, input_rate)
+        step = input_rate // 50
+        for i in range(0, len(clip), step):
+            await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + step]))
+        await conn.input_audio_buffer.commit()
+        done = await until(conn, "response.done", events)
+    got = np.frombuffer(audio_of(events, done["response"]["id"]), dtype="<i2")
+    assert abs(len(got) - output_rate // 2) <= 2, (len(got), output_rate)
+    assert snr_db(tone(0.5, output_rate), got) > 50.0
+
+
 async def test_echo_server_vad_turn_comes_back_as_a_response(stack: Stack) -> None:
     events: list[dict[str, Any]] = []
     async with client(stack).realtime.connect(model="echo") as conn:

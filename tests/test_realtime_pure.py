@@ -117,6 +117,64 @@ def test_24khz_round_trip_keeps_the_audio_within_the_stated_bound() -> None:
     assert snr_db(clip, got) > 40.0
 
 
+def rates(input_rate: int, output_rate: int) -> dict[str, Any]:
+    """A session.update to these rates (GA shape) with manual commits."""
+    audio = {
+        "input": {"format": {"type": "audio/pcm", "rate": input_rate}, "turn_detection": None},
+        "output": {"format": {"type": "audio/pcm", "rate": output_rate}},
+    }
+    return {"type": "session.update", "session": {"type": "realtime", "audio": audio}}
+
+
+@pytest.mark.parametrize(
+    ("input_rate", "output_rate"),
+    [(8000, 8000), (48000, 48000), (8000, 48000), (48000, 8000), (24000, 16000), (11025, 44100)],
+)
+def test_any_rate_from_8_to_48_khz_comes_back_at_the_output_rate_within_the_bound(input_rate: int, output_rate: int) -> None:
+    """A 440 Hz tone at the input rate, through echo's 16 kHz, comes back at the session's
+    output rate: as many samples as a second at that rate (+-2) and an SNR above 50 dB
+    against the same tone made at that rate (measured: 63-75 dB)."""
+    h = Harness()
+    updated = h.send(rates(input_rate, output_rate))[0]
+    fmt = updated["session"]["audio"]
+    assert RealtimeSession._format(input_rate) == fmt["input"]["format"]
+    assert RealtimeSession._format(output_rate) == fmt["output"]["format"]
+    assert updated["session"]["native_sample_rate_hz"] == 16000
+    clip = tone(1.0, input_rate)
+    step = input_rate // 50  # 20 ms appends
+    for i in range(0, len(clip), step):
+        h.append(clip[i : i + step])
+    h.send({"type": "input_audio_buffer.commit"})
+    assert sum(len(p) for p in h.sent) >= 16000  # what the model got: at its own rate
+    h.run_echo()
+    done = next(e for e in h.events if e["type"] == "response.done")
+    assert done["response"]["status"] == "completed"
+    assert done["response"]["audio"]["output"]["format"] == RealtimeSession._format(output_rate)
+    got = np.frombuffer(audio_of(h.events), dtype="<i2")
+    assert abs(len(got) - output_rate) <= 2, (len(got), output_rate)
+    assert snr_db(tone(1.0, output_rate), got) > 50.0
+    assert done["response"]["usage"]["audio_out_ms"] == len(got) * 1000 // output_rate
+    check_responses(h.events)
+
+
+def test_the_output_rate_changes_between_responses() -> None:
+    """Each response is resampled at the output rate the session had when it began."""
+    h = Harness()
+    h.send(rates(16000, 16000))
+    clip = tone(0.5, 16000)
+    h.append(clip)
+    h.send({"type": "input_audio_buffer.commit"})
+    h.run_echo()
+    h.send(rates(16000, 48000))
+    h.append(clip)
+    h.send({"type": "input_audio_buffer.commit"})
+    h.run_echo()
+    first, second = [e["response"]["id"] for e in h.events if e["type"] == "response.done"]
+    assert audio_of(h.events, first) == clip.tobytes()  # the model's own rate: untouched
+    got = np.frombuffer(audio_of(h.events, second), dtype="<i2")
+    assert abs(len(got) - 24000) <= 2 and snr_db(tone(0.5, 48000), got) > 50.0
+
+
 def test_server_vad_echo_turn_is_its_voiced_frames() -> None:
     h = Harness()  # server_vad is the default
     h.send(
