@@ -25,7 +25,7 @@ from services.frontend.realtime.session import (
     event_number,
 )
 from shared.sdk.audio import Resampler, b64_pcm16
-from shared.sdk.realtime import RealtimeMapping
+from shared.sdk.realtime import ModelEvent, RealtimeMapping, ReplyAudio, ReplyEnded, ReplyStarted, ReplyText
 from tests.support.realtime import MANUAL_16K, audio_of, check_event, check_responses, snr_db, tone
 
 
@@ -382,6 +382,67 @@ def test_audio_item_is_one_turn_and_text_needs_a_text_stream() -> None:
     assert err[0]["error"]["code"] == "invalid_value"
     playback = h.send({"type": "playback.ack", "response_id": "r", "played_ms": 120})
     assert playback[0]["type"] == "playback.acknowledged" and playback[0]["played_ms"] == 120
+
+
+class TextReplies(RealtimeMapping):
+    """A hand-made mapping of a model that answers in text (neither served model does):
+    `{"reply": "start" | "end"}`, `{"text": delta}`, `{"audio": b64, "words": ...}`."""
+
+    def on_output(self, output: dict[str, Any]) -> list[ModelEvent]:
+        if output.get("reply") == "start":
+            return [ReplyStarted()]
+        if output.get("reply") == "end":
+            return [ReplyEnded()]
+        if "text" in output:
+            return [ReplyText(output["text"])]
+        pcm = np.frombuffer(base64.b64decode(output["audio"]), dtype="<i2")
+        return [ReplyAudio(pcm, 16000, output.get("words", ""))]
+
+
+def test_a_text_reply_is_output_text_deltas_and_done_as_the_sdk_types_them() -> None:
+    from openai.types.realtime import ResponseTextDeltaEvent, ResponseTextDoneEvent
+
+    h = Harness(TextReplies())
+    h.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"]}})
+    h.send({"type": "response.create", "event_id": "r1"})
+    h.take(h.s.on_output({"reply": "start"}, 0.0))
+    h.take(h.s.on_output({"text": "Hello"}, 0.0))
+    # Audio of a reply in a text response: its words are text, its samples are not sent.
+    h.take(h.s.on_output({"audio": b64_pcm16(tone(0.1, 16000)), "words": ", world"}, 0.0))
+    h.take(h.s.on_output({"text": "."}, 0.0))
+    h.take(h.s.on_output({"reply": "end"}, 0.0))
+    deltas = [ResponseTextDeltaEvent.model_validate(e) for e in h.events if e["type"] == "response.output_text.delta"]
+    done = [ResponseTextDoneEvent.model_validate(e) for e in h.events if e["type"] == "response.output_text.done"]
+    assert [d.delta for d in deltas] == ["Hello", ", world", "."]
+    assert len(done) == 1 and done[0].text == "Hello, world."
+    resp = next(e for e in h.events if e["type"] == "response.done")["response"]
+    ids = {(d.response_id, d.item_id, d.output_index, d.content_index) for d in deltas}
+    ids |= {(d.response_id, d.item_id, d.output_index, d.content_index) for d in done}
+    assert ids == {(resp["id"], resp["output"][0]["id"], 0, 0)}
+    assert resp["status"] == "completed" and resp["output_modalities"] == ["text"]
+    assert resp["output"][0]["content"] == [{"type": "output_text", "text": "Hello, world."}]
+    part = next(e for e in h.events if e["type"] == "response.content_part.done")["part"]
+    assert part == {"type": "text", "text": "Hello, world."}
+    kinds = h.types()
+    assert not any(k.startswith("response.output_audio") for k in kinds)
+    assert kinds.index("response.output_text.done") < kinds.index("response.content_part.done") < kinds.index("response.done")
+    check_responses(h.events)
+
+
+def test_a_text_response_that_is_cancelled_still_ends_its_text() -> None:
+    from openai.types.realtime import ResponseTextDoneEvent
+
+    h = Harness(TextReplies())
+    h.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+    h.take(h.s.on_output({"reply": "start"}, 0.0))
+    h.take(h.s.on_output({"text": "Partial"}, 0.0))
+    h.send({"type": "response.cancel"})
+    h.take(h.s.on_output({"text": " dropped"}, 0.0))
+    done = [ResponseTextDoneEvent.model_validate(e) for e in h.events if e["type"] == "response.output_text.done"]
+    assert len(done) == 1 and done[0].text == "Partial"
+    resp = next(e for e in h.events if e["type"] == "response.done")["response"]
+    assert resp["status"] == "cancelled" and resp["status_details"]["reason"] == "client_cancelled"
+    check_responses(h.events)
 
 
 def test_voice_assistant_mapping_turn_transcript_reply_and_barge_in() -> None:
