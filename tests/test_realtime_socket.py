@@ -158,6 +158,27 @@ async def test_resume_after_a_drop_mid_reply_loses_and_repeats_nothing(stack: St
     await wait_calls(stack, 0)
 
 
+async def test_resume_after_the_grace_period_is_refused_and_the_new_session_goes_on(stack: Stack) -> None:
+    await wait_calls(stack, 0)
+    rt = await RT.open(stack)
+    token = (await rt.next("session.created"))["session"]["resume_token"]
+    await rt.send({"type": "session.heartbeat"})
+    last = (await rt.next("session.heartbeat"))["event_id"]
+    rt.ws.transport.abort()
+    await wait_calls(stack, 0, timeout=GRACE_S + 5)  # the grace period is over: the call was ended
+    again = await RT.open(stack)
+    await again.send({"type": "session.resume", "resume_token": token, "last_event_id": last, "event_id": "late"})
+    err = (await again.next("error"))["error"]
+    assert (err["code"], err["param"], err["event_id"]) == ("invalid_resume_token", "resume_token", "late"), err
+    assert "resume_grace_s" in err["message"]
+    assert not any(e["type"] == "session.heartbeat" for e in again.seen)  # nothing of the old session
+    await again.send({"type": "session.heartbeat"})
+    await again.next("session.heartbeat")
+    assert calls(stack) == 1  # the new socket's own session
+    await again.close()
+    await wait_calls(stack, 0)
+
+
 async def test_resume_with_an_unknown_token_is_an_error_and_the_new_session_goes_on(stack: Stack) -> None:
     rt = await RT.open(stack)
     await rt.send({"type": "session.resume", "resume_token": "nope", "last_event_id": "event_x_1", "event_id": "r"})

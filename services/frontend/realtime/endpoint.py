@@ -367,7 +367,13 @@ class RealtimeHub:
         seen = event_number(last) if last else 0
         if old is None or old is fresh or seen is None or seen > old.core.n:
             unknown = old is None or old is fresh
-            why = "no session to resume with this token (expired, ended or unknown)" if unknown else "unknown last_event_id"
+            grace = self.svc.config.realtime.resume_grace_s
+            why = (
+                "no session to resume with this token: unknown, ended, or dropped more than"
+                f" realtime.resume_grace_s ({grace:g} s) ago"
+                if unknown
+                else "unknown last_event_id"
+            )
             code, param = ("invalid_resume_token", "resume_token") if unknown else ("invalid_value", "last_event_id")
             err = ev.ClientError(code, why, param, event.event_id)
             if fresh is None:
