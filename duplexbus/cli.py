@@ -11,12 +11,16 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from shared.runtime.config import ServingConfig, load_config
 from shared.runtime.errors import BusError, BusUnavailable, ConfigError
 from shared.runtime.process import LOG_FORMATS, STOP_GRACE_S, install_stop_signals, run_until_stopped, setup_logging, tune_gc
+
+if TYPE_CHECKING:
+    from duplexbus.supervisor import UpOptions
 
 
 def _config(args: argparse.Namespace) -> ServingConfig:
@@ -180,12 +184,19 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     if args.log_format:  # the children read it from their environment
         os.environ["DUPLEXBUS_LOG_FORMAT"] = args.log_format
-    from duplexbus.supervisor import UpOptions, run_up
+    from duplexbus.supervisor import run_up
     from models.registry import served_model
 
     cfg = _config(args)
     partitions = served_model(cfg.model).topology.partitions
-    opts = UpOptions(
+    return run_up(up_options(args, cfg), partitions, cfg)
+
+
+def up_options(args: argparse.Namespace, cfg: ServingConfig) -> UpOptions:
+    """What `duplexbus up` runs: its flags, else the config's keys."""
+    from duplexbus.supervisor import UpOptions
+
+    return UpOptions(
         config=args.config,
         model=args.model,
         frontends=args.frontends,
@@ -195,8 +206,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         run_dir=Path(args.run_dir),
         colocate=args.colocate,
         stop_timeout=cfg.shutdown_drain_s + 5.0,  # children drain for shutdown_drain_s before they exit
+        nats_monitor_port=args.nats_monitor_port or cfg.nats_monitor_port,
     )
-    return run_up(opts, partitions, cfg)
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
@@ -208,14 +219,18 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     server: NatsServer | NatsCluster
+    monitor = args.monitor_port
     if args.cluster:
-        server = NatsCluster(args.store, ports=[args.port + i for i in range(3)])
+        monitors = [monitor + i for i in range(3)] if monitor else None
+        server = NatsCluster(args.store, ports=[args.port + i for i in range(3)], monitor_ports=monitors)
     else:
-        server = NatsServer(args.store, port=args.port)
+        server = NatsServer(args.store, port=args.port, monitor_port=monitor)
     with server, contextlib.suppress(KeyboardInterrupt):
         print(server.url, flush=True)
         if args.cluster:
             print("a cluster: give the services NATS_URL above and retention.replicas: 3", file=sys.stderr, flush=True)
+        monitoring = server.monitor_urls if isinstance(server, NatsCluster) else [server.monitor_url]
+        print(f"monitoring on {', '.join(monitoring)} (/healthz, /varz, /jsz)", file=sys.stderr, flush=True)
         while True:
             time.sleep(1)
     return 0
@@ -278,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", help="address the frontends listen on (default: the config's `host`, 127.0.0.1)")
     up.add_argument("--port", type=int, help="port the frontends listen on (default: the config's `port`, 8000)")
     up.add_argument("--run-dir", default=".run", help="logs, the embedded NATS store and its URL go here")
+    up.add_argument(
+        "--nats-monitor-port",
+        type=int,
+        help="the embedded nats-server's monitoring port, /healthz /varz /jsz (default: the config's "
+        "`nats_monitor_port`, else a free one; printed at start)",
+    )
     up.set_defaults(fn=cmd_up)
 
     fe = command("frontend", "serve /generate/ws and POST /generate")
@@ -312,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     na = command("nats", "run the embedded nats-server in the foreground")
     na.add_argument("--store", default=".run/nats", help="JetStream store directory")
     na.add_argument("--port", type=int, default=4222, help="client port (with --cluster: the first node's; the others follow)")
+    na.add_argument(
+        "--monitor-port",
+        type=int,
+        help="monitoring port, /healthz /varz /jsz (with --cluster: the first node's; the others follow; "
+        "default: a free one; printed at start)",
+    )
     na.add_argument(
         "--cluster",
         action="store_true",

@@ -73,6 +73,7 @@ class UpOptions:
     ready_timeout: float = 120.0
     colocate: bool = False  # each worker process runs every partition
     stop_timeout: float = 15.0  # per group of children; more than their shutdown_drain_s
+    nats_monitor_port: int | None = None  # the embedded nats-server's monitoring port (None: a free one)
 
 
 def plan(opts: UpOptions, partitions: list[str], listen_fds: list[int] | None = None) -> list[Child]:
@@ -234,6 +235,20 @@ def listen(host: str, port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+def port_taken(host: str, port: int | None) -> str | None:
+    """Why `host:port` cannot be listened on (None: it can, or no port was asked for)."""
+    if port is None:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 class EmbeddedNats:
     """The embedded nats-server as one more supervised child: restarted on its port and store
     if it exits, so the services (which reconnect by themselves) carry on."""
@@ -291,12 +306,22 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             server = NatsServer(
                 opts.run_dir / "nats",
                 log_file=log_dir / "nats-server.log",
+                monitor_port=opts.nats_monitor_port,
                 credentials=("duplexbus", secrets.token_urlsafe(24)),
             )
+            taken = port_taken(server.host, opts.nats_monitor_port)
+            if taken:
+                where = f"{server.host}:{opts.nats_monitor_port}"
+                print(f"error: cannot serve NATS monitoring on {where}: {taken}; choose another --nats-monitor-port "
+                      "(or nats_monitor_port in the config)", file=sys.stderr, flush=True)  # fmt: skip
+                return 2
             try:
                 nats = EmbeddedNats(server.start())
             except StoreInUse as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
+                return 2
+            except (RuntimeError, TimeoutError) as e:  # it exited, or never answered: its log says why
+                print(f"error: the embedded nats-server did not start: {e}", file=sys.stderr, flush=True)
                 return 2
             _save_nats_url(opts.run_dir, server.client_url)
             env["NATS_URL"] = server.client_url
@@ -304,7 +329,9 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             print(f"nats-server (embedded) on {server.url}, store {opts.run_dir / 'nats'}, "
                   f"monitoring on http://{server.host}:{server.monitor_port}", flush=True)  # fmt: skip
         else:
-            print(f"using NATS at {cfg.nats_url}", flush=True)  # the children read the same config
+            from shared.bus.connection import redacted
+
+            print(f"using NATS at {redacted(cfg.nats_url)}", flush=True)  # the children read the same config
         children = plan(opts, partitions, [s.fileno() for s in listeners])
         for c in sorted(children, key=lambda c: -c.order):  # conductor, workers, then frontends
             c.start(env, log_dir)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,36 @@ def test_main_routes_warnings_to_logging(caplog: pytest.LogCaptureFixture) -> No
         assert "routed to logging" in caplog.text
     finally:
         logging.captureWarnings(False)
+
+
+def test_nats_serves_monitoring_on_the_port_it_is_given_and_says_so(tmp_path: Path) -> None:
+    port, monitor = free_port(), free_port()
+    argv = ["nats", "--store", str(tmp_path / "nats"), "--port", str(port), "--monitor-port", str(monitor)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duplexbus.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().strip() == f"nats://127.0.0.1:{port}"
+        assert f"monitoring on http://127.0.0.1:{monitor} " in proc.stderr.readline()
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=5) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+
+
+def test_up_takes_the_monitoring_port_from_its_flag_else_the_config(tmp_path: Path) -> None:
+    from duplexbus.cli import build_parser, up_options
+    from shared.runtime.config import ServingConfig
+    from shared.runtime.errors import ConfigError
+
+    cfg = ServingConfig(nats_monitor_port=9222)
+    assert up_options(build_parser().parse_args(["up"]), cfg).nats_monitor_port == 9222
+    assert up_options(build_parser().parse_args(["up", "--nats-monitor-port", "9333"]), cfg).nats_monitor_port == 9333
+    assert up_options(build_parser().parse_args(["up"]), ServingConfig()).nats_monitor_port is None  # a free one
+    with pytest.raises(ConfigError, match="nats_monitor_port"):
+        ServingConfig(nats_monitor_port=70000)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from duplexbus.supervisor import Child, UpOptions, run_up, tend, wait_http, wait_workers
+from shared.bus.embedded import free_port
 from shared.runtime.config import ServingConfig
 
 
@@ -91,3 +93,21 @@ def test_the_readiness_waits_end_at_once_on_a_stop() -> None:
     assert not wait_http("http://127.0.0.1:1/healthz", 30.0, [], lambda: True)
     assert not wait_workers(ServingConfig(nats_url="nats://127.0.0.1:1"), 1, 30.0, [], lambda: True)
     assert time.monotonic() - start < 1.0
+
+
+def test_up_refuses_a_taken_monitoring_port_at_once_and_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signals_kept: None
+) -> None:
+    monkeypatch.delenv("NATS_URL", raising=False)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        opts = UpOptions(
+            config=None, model="echo", frontends=1, workers=1, port=free_port(), host="127.0.0.1",
+            run_dir=tmp_path / "run", nats_monitor_port=taken,
+        )  # fmt: skip
+        assert run_up(opts, ["Encoder", "Talker"], ServingConfig(model="echo")) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve NATS monitoring on 127.0.0.1:{taken}" in err and "--nats-monitor-port" in err
+    assert not (tmp_path / "run" / "nats").exists()  # no nats-server was started

@@ -1,7 +1,7 @@
 """What an operator sees of a running stack (`duplexbus up --model echo`, JSON logs): Prometheus
 metrics on the frontend and on the conductor's health port, /livez and /readyz on both, one
-log line per call opened, placed and finished (with its cid), and the conductor in NATS
-service discovery."""
+log line per call opened, placed and finished (with its cid), the conductor in NATS
+service discovery, and the embedded nats-server's monitoring on the configured port."""
 
 from __future__ import annotations
 
@@ -18,17 +18,23 @@ import pytest
 
 from models.echo import FRAME
 from shared.bus import subjects
+from shared.bus.embedded import free_port
 from tests.support.audio import pcm_file
 from tests.support.client import WS
 from tests.support.stack import UpStack
 
 
 @pytest.fixture(scope="module")
-def up() -> Iterator[UpStack]:
+def monitor_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def up(monitor_port: int) -> Iterator[UpStack]:
     mp = pytest.MonkeyPatch()
     mp.setenv("DUPLEXBUS_LOG_FORMAT", "json")
     try:
-        with UpStack("echo", log_level=None) as stack:
+        with UpStack("echo", log_level=None, config={"nats_monitor_port": monitor_port}) as stack:
             yield stack
     finally:
         mp.undo()
@@ -110,3 +116,10 @@ def test_the_conductor_answers_service_discovery(up: UpStack) -> None:
         isinstance(ping, dict) and ping["name"] == subjects.SERVICE_CONDUCTOR and ping["type"] == "io.nats.micro.v1.ping_response"
     )
     assert isinstance(status, dict) and len(status["workers"]) == 2
+
+
+def test_the_embedded_nats_monitoring_is_on_the_configured_port_and_printed(up: UpStack, monitor_port: int) -> None:
+    line = next(line for line in up.lines if line.startswith("nats-server (embedded)"))
+    assert f"monitoring on http://127.0.0.1:{monitor_port}" in line, line
+    status, body = get(f"http://127.0.0.1:{monitor_port}/healthz?js-enabled-only=true")
+    assert status == 200 and json.loads(body) == {"status": "ok"}

@@ -86,6 +86,11 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def monitor_url(self) -> str:
+        """Its monitoring endpoint (`/healthz`, `/varz`, `/jsz`)."""
+        return f"http://{self.host}:{self.monitor_port}"
+
+    @property
     def client_url(self) -> str:
         """The URL a client connects with, credentials included where the server wants them."""
         if self.credentials is None:
@@ -199,8 +204,9 @@ class NatsCluster:
         host: str = "127.0.0.1",
         name: str = "duplexbus",
         ports: Sequence[int] | None = None,
+        monitor_ports: Sequence[int] | None = None,
     ) -> None:
-        """`ports`: each node's client port (free ones where not given)."""
+        """`ports`, `monitor_ports`: each node's client and monitoring port (free ones where not given)."""
         self.store_dir = Path(store_dir)
         self.name = name
         routes = [free_port(host) for _ in range(nodes)]
@@ -208,6 +214,7 @@ class NatsCluster:
             NatsServer(
                 self.store_dir / self.node_name(i),
                 port=ports[i] if ports else None,
+                monitor_port=monitor_ports[i] if monitor_ports else None,
                 host=host,
                 args=self._node_args(i, host, routes),
             )
@@ -229,6 +236,10 @@ class NatsCluster:
     def url(self) -> str:
         """Every node's URL, comma-separated (NATS_URL for a service that may use any node)."""
         return ",".join(n.url for n in self.nodes)
+
+    @property
+    def monitor_urls(self) -> list[str]:
+        return [n.monitor_url for n in self.nodes]
 
     def start(self, timeout: float = 30.0) -> NatsCluster:
         """Start every node, then wait until the cluster has its JetStream leader and each

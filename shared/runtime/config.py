@@ -52,6 +52,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nats_url: str | None = None
     nats_creds: str | None = None
     nats_tls: TLSConfig | None = None
+    nats_monitor_port: int | None = None  # the embedded nats-server's monitoring port (`duplexbus up`); None: a free one
     max_concurrent_requests: int = 512
     max_queued_requests: int = 64
     max_call_input_mb: float = 64.0
@@ -118,6 +119,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("realtime.resume_grace_s", "must be >= 0")
         if self.step_window_ms < 0:
             raise ConfigError("step_window_ms", "must be >= 0")
+        if self.nats_monitor_port is not None and not 0 < self.nats_monitor_port < 65536:
+            raise ConfigError("nats_monitor_port", f"must be a port, 1 to 65535, got {self.nats_monitor_port}")
         if self.max_queued_requests < 0:
             raise ConfigError("max_queued_requests", "must be >= 0")
         for edge, s in self.client_streams.items():
