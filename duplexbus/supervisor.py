@@ -341,6 +341,12 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             cfg, workers, opts.ready_timeout, children, lambda: stop
         )
         if ready:
+            from duplexbus.cli import open_warning
+
+            # The frontends log it, into files; the person at the terminal must see it too.
+            warning = open_warning(opts.host, cfg)
+            if warning is not None:
+                print(warning, file=sys.stderr, flush=True)
             print(f"metrics: {url}/metrics (frontends), " + ", ".join(health_urls(children, opts.host)), flush=True)
             print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
         elif not stop:  # (a stop during start-up is no failure)

@@ -1,9 +1,12 @@
-"""`duplexbus up`'s supervisor without a running stack: restarts, readiness, which NATS it uses."""
+"""`duplexbus up`'s supervisor: restarts, readiness, which NATS it uses, what it refuses at
+once, and what it says at the terminal (one real `up`, the rest without a running stack)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -111,3 +114,25 @@ def test_up_refuses_a_taken_monitoring_port_at_once_and_starts_nothing(
     err = capsys.readouterr().err
     assert f"cannot serve NATS monitoring on 127.0.0.1:{taken}" in err and "--nats-monitor-port" in err
     assert not (tmp_path / "run" / "nats").exists()  # no nats-server was started
+
+
+def test_up_on_an_open_address_without_a_token_says_so_at_the_terminal(tmp_path: Path) -> None:
+    """The frontends log the warning into their files under .run/logs; `up` itself must print it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DUPLEXBUS_TOKENS", "DUPLEXBUS_CONFIG")}
+    argv = ["up", "--model", "echo", "--host", "0.0.0.0", "--port", str(free_port("0.0.0.0")), "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duplexbus.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while not any("duplexbus serving on" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, f"up exited ({proc.wait(5)}) before serving: {''.join(lines)}"
+            lines.append(line)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        err = proc.communicate(timeout=40)[1]
+    assert "This frontend listens on 0.0.0.0, reachable from other machines, and no bearer token is set" in err, err
+    assert "Set auth.tokens" in err
