@@ -126,7 +126,7 @@ def test_up_on_an_open_address_without_a_token_says_so_at_the_terminal(tmp_path:
     )  # fmt: skip
     try:
         assert proc.stdout is not None
-        lines = []
+        lines: list[str] = []
         while not any("duplexbus serving on" in line for line in lines):
             line = proc.stdout.readline()
             assert line, f"up exited ({proc.wait(5)}) before serving: {''.join(lines)}"
