@@ -74,14 +74,16 @@ async def test_fast_live_call_of_ten_minutes_completes_byte_exact(stack: Stack) 
     assert await pauses(stack) > before
 
 
-# Each worker may hold 8 MiB of input (CONFIG); beside it a worker reads at most 64 messages
-# at once per call (READ_BATCH), and Python's own heap grows some under load.
+# Each worker may hold 4 MiB of input, one partition of a call 1 MiB (CONFIG); beside it a
+# worker reads at most 64 messages at once per call (READ_BATCH), and Python's own heap
+# grows some under load.
 RSS_GROWTH_MB = 45
 
 
 async def test_twenty_fast_calls_at_once_complete_and_the_workers_stay_bounded(stack: Stack) -> None:
-    """20 calls of 2 minutes each (not 10: the suite's time), all sent as fast as possible at
-    once: 77 MB of input, against 8 MiB a worker may hold."""
+    """20 calls of 3 minutes each, all sent as fast as possible at once: 115 MB of input,
+    against 4 MiB a worker may hold. Not 10 minutes each (384 MB): over three times this
+    test's half minute per stack (one call of 10 minutes is the test above)."""
     xs = [recording(180, seed=10 + i) for i in range(20)]
     async with PeakRSS(worker_pids(stack)) as rss:
         results = await asyncio.gather(*(stream_call(stack.ws_url(), x, RATE, fast=True) for x in xs))
