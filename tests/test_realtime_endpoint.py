@@ -4,16 +4,19 @@ drives `RealtimeHub` and its `Outbox` (their task handling and what they tell a 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, cast
 
 import pytest
 from starlette.websockets import WebSocket
 
+from services.frontend.realtime import endpoint
 from services.frontend.realtime.endpoint import LiveSession, Outbox, RealtimeHub
 from services.frontend.service import FrontendService
 from shared.runtime.config import ServingConfig
 
 SLOW_STOP_S = 0.3
+MAX_BYTES = 2000  # max_send_buffer_mb of these outboxes: past twice this the client is not reading
 
 
 async def slow_cleanup() -> None:
@@ -79,10 +82,17 @@ async def cancelled_while_waiting(handler: asyncio.Task[None]) -> BaseException 
     return result if isinstance(result, BaseException) else None
 
 
-async def test_cancelling_a_handler_while_its_outbox_writer_stops_is_not_swallowed() -> None:
+@pytest.mark.parametrize("flush_s", [0.0, 2.0], ids=["while-stopping", "while-flushing"])
+async def test_cancelling_a_handler_while_its_outbox_writer_stops_is_not_swallowed(
+    flush_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler closes the outbox, whose writer is stuck sending: it waits up to
+    CLOSE_FLUSH_S for it, then stops it (which takes a while). Cancelled in either wait, the
+    cancellation goes on up, and the writer does not outlive it."""
+    monkeypatch.setattr(endpoint, "CLOSE_FLUSH_S", flush_s)
     sock = StandInSocket()
     sock.stall_sends = True
-    outbox = Outbox(as_ws(sock))
+    outbox = Outbox(as_ws(sock), MAX_BYTES)
     outbox.send(b'{"type": "x"}')
     await asyncio.sleep(0.01)  # the writer took it and is stuck sending
     after: list[str] = []
@@ -93,7 +103,9 @@ async def test_cancelling_a_handler_while_its_outbox_writer_stops_is_not_swallow
 
     got = await cancelled_while_waiting(asyncio.create_task(handler()))
     assert isinstance(got, asyncio.CancelledError) and after == []
-    assert outbox.writer is not None and outbox.writer.done()
+    assert outbox.writer is not None
+    await asyncio.wait({outbox.writer}, timeout=5)
+    assert outbox.writer.cancelled()
 
 
 async def test_cancelling_a_handler_while_its_receive_stops_is_not_swallowed(hub: RealtimeHub) -> None:
@@ -101,7 +113,7 @@ async def test_cancelling_a_handler_while_its_receive_stops_is_not_swallowed(hub
     cancelled as it waits for that receive to stop: the cancellation goes on up, and the
     session was closed and its socket closed all the same."""
     sock = StandInSocket()
-    outbox = Outbox(as_ws(sock))
+    outbox = Outbox(as_ws(sock), MAX_BYTES)
     session = live_session(hub)
     session.attach(outbox)
     after: list[str] = []
@@ -117,3 +129,43 @@ async def test_cancelling_a_handler_while_its_receive_stops_is_not_swallowed(hub
     got = await cancelled_while_waiting(task)
     assert isinstance(got, asyncio.CancelledError) and after == []
     assert sock.closed == [(1000, "session closed")]
+
+
+async def test_a_client_not_reading_is_told_by_a_close_and_counted_not_dropped_silently(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sock = StandInSocket()
+    sock.stall_sends = True  # the client reads nothing: the writer's first send never ends
+    overflows: list[int] = []
+    outbox = Outbox(as_ws(sock), MAX_BYTES, on_overflow=lambda: overflows.append(1))
+    event = b'{"type": "response.output_audio.delta", "delta": "' + b"A" * 100 + b'"}'
+    with caplog.at_level(logging.WARNING, logger="services.frontend.realtime.endpoint"):
+        for _ in range(40):  # past twice MAX_BYTES
+            outbox.send(event)
+            await asyncio.sleep(0)
+    assert overflows == [1] and outbox.gone.is_set()
+    assert any("client not reading" in r.getMessage() for r in caplog.records)
+    await outbox.close(1000, "bye")
+    assert sock.closed == [(1008, "client not reading")] and sock.sent == []
+    assert outbox.writer is not None and outbox.writer.done()
+
+
+async def test_a_session_whose_client_is_not_reading_waits_for_a_resume(hub: RealtimeHub) -> None:
+    """The socket is closed (1008) and the session detached, as after any drop: its events
+    are in the stream, and a resume reads what the client missed from there."""
+    sock = StandInSocket()
+    sock.stall_sends = True
+    outbox = Outbox(as_ws(sock), MAX_BYTES, hub._overflowed)
+    session = live_session(hub)
+    session.attach(outbox)
+    run = asyncio.create_task(hub._run(as_ws(sock), outbox, session))
+    await asyncio.sleep(0.01)
+    for i in range(40):
+        session.deliver(session.core.error("invalid_value", f"event {i} the client does not read"))
+    await asyncio.wait_for(run, 10)
+    try:
+        assert hub.overflows == 1 and sock.closed == [(1008, "client not reading")]
+        assert hub.detached == {session.core.resume_token: session} and session.outbox is None
+    finally:
+        await session.end("test over")
+    assert not hub.detached

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.25  # how often waiting responses are checked against their deadline
 RESUME_READ_S = 5.0  # how long a resume waits for the stream to hold every event it must send
 LOG_DRAIN_S = 2.0  # how long a session that ends waits for its last events to be stored
-SEND_QUEUE = 8192  # under an ASGI server without the frontend's protocol: events waiting for the socket
+CLOSE_FLUSH_S = 2.0  # how long a closing socket's queued events may take to go out (another ASGI server)
 _decode_reply = msgspec.json.Decoder().decode
 
 
@@ -101,35 +101,61 @@ class EventLog:
 
 
 class Outbox:
-    """Sends to one socket without awaiting: the frontend protocol's direct send, or (under
-    another ASGI server) a bounded queue and a writer task."""
+    """One socket's sending side: the frontend's bounded `outbox.Outbox`, as `/generate/ws`
+    has it. Sending never awaits. Under the frontend's own protocol each event is handed to
+    the connection at once (`SEND_NOW`), which bounds what waits for the client and drops one
+    that does not read (`websocket.py`). Under another ASGI server events wait for a writer
+    task, up to twice `max_send_buffer_mb`: past that the client is not reading, and nothing
+    is dropped silently: it is logged, `on_overflow` counts it, nothing more is sent and the
+    socket is closed with 1008 "client not reading". Either way the socket is gone as after
+    any drop and the session waits for a resume, which reads what the client missed from the
+    stream (`gone` is set for the receive loop)."""
 
-    def __init__(self, ws: WebSocket) -> None:
+    def __init__(self, ws: WebSocket, max_bytes: int, on_overflow: Callable[[], None] | None = None) -> None:
         self.ws = ws
-        self.send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue(SEND_QUEUE)
-        self.writer = None if self.send_now is not None else asyncio.get_running_loop().create_task(self._write())
+        self.on_overflow = on_overflow
+        self.gone = asyncio.Event()
+        send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
+        self.box = CallOutbox(send_now, pause_at=max_bytes, on_overflow=self._overflowed)
+        self.writer = None if self.box.direct else asyncio.get_running_loop().create_task(self._write())
 
     def send(self, data: bytes) -> None:
-        if self.send_now is not None:
-            with contextlib.suppress(OSError):  # gone: the receive loop sees the disconnect
-                self.send_now(data)
-            return
-        with contextlib.suppress(asyncio.QueueFull):
-            self.queue.put_nowait(data)
+        self.box.send(data)
+
+    def _overflowed(self) -> None:
+        waiting, bound = self.box.queued_bytes, 2 * self.box.pause_at
+        log.warning("closing a /v1/realtime socket (1008), client not reading: %d bytes wait for it (bound %d)", waiting, bound)
+        self.gone.set()
+        if self.on_overflow is not None:
+            self.on_overflow()
 
     async def _write(self) -> None:
-        while True:
-            data = await self.queue.get()
-            await self.ws.send_text(data.decode())
+        try:
+            while (msg := await self.box.get()) is not None and not self.box.overflowed:
+                await self.ws.send_text(to_json(msg).decode())
+        except (WebSocketDisconnect, RuntimeError, OSError):  # the client left: the receive loop sees it too
+            self.gone.set()
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
+        """What waits goes out (for CLOSE_FLUSH_S at most; nothing more once overflowed),
+        then the socket closes with `code` (1008 once overflowed)."""
+        self.box.close()
         if self.writer is not None:
-            while not self.queue.empty() and not self.writer.done():
-                await asyncio.sleep(0.01)
-            await stop(self.writer)
-        with contextlib.suppress(Exception):
+            try:
+                if not self.box.overflowed:
+                    await asyncio.wait({self.writer}, timeout=CLOSE_FLUSH_S)
+                await stop(self.writer)  # a send stuck on a client that does not read is cut short
+            finally:
+                self.writer.cancel()  # cancelled with the caller: it must not outlive the socket
+        if self.box.overflowed:
+            code, reason = 1008, "client not reading"
+        await self._close_socket(code, reason)
+
+    async def _close_socket(self, code: int, reason: str) -> None:
+        try:
             await self.ws.close(code, reason)
+        except (RuntimeError, OSError) as e:  # gone already (closed, or the client left)
+            log.debug("closing a realtime socket (%d %s): %s", code, reason, e)
 
 
 class LiveSession:
@@ -293,6 +319,10 @@ class RealtimeHub:
         self.detached: dict[str, LiveSession] = {}
         self.attached: dict[str, LiveSession] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.overflows = 0  # sockets closed because their client was not reading (`Outbox`)
+
+    def _overflowed(self) -> None:
+        self.overflows += 1
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -330,7 +360,7 @@ class RealtimeHub:
     async def serve(self, ws: WebSocket, subprotocol: str | None = None) -> None:
         """One socket from accept to close (accepted with `subprotocol`: the one that carried its token)."""
         await ws.accept(subprotocol=subprotocol)
-        outbox = Outbox(ws)
+        outbox = Outbox(ws, self.svc.config.max_send_buffer_bytes, self._overflowed)
         name = ws.query_params.get("model") or self.svc.default_model
         try:
             model = self.svc.model(name)
@@ -406,13 +436,14 @@ class RealtimeHub:
         code = 1006
         loop = asyncio.get_running_loop()
         waiter = loop.create_task(session.closed.wait())
+        gone = loop.create_task(outbox.gone.wait())  # the client is not reading (or left)
         receive: asyncio.Task[Any] | None = None
         try:
             while True:
                 receive = loop.create_task(ws.receive())
-                done, _ = await asyncio.wait({receive, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({receive, waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if receive not in done:
-                    break  # the session is over; the receive is stopped below
+                    break  # the session is over, or the socket gone (code 1006: resumable); the receive is stopped below
                 done_receive, receive = receive, None
                 try:
                     msg = done_receive.result()
@@ -443,7 +474,7 @@ class RealtimeHub:
                 # Not under the receive's catch: a failure of our own is not a client leaving.
                 await session.handle(data)
         finally:
-            pending = [t for t in (receive, waiter) if t is not None]
+            pending = [t for t in (receive, waiter, gone) if t is not None]
             for t in pending:
                 t.cancel()
             try:
@@ -463,5 +494,6 @@ class RealtimeHub:
         self.attached.pop(session.core.resume_token, None)
         if code in (1000, 1001) or self.svc.config.realtime.resume_grace_s <= 0:
             await session.end("socket closed")
-            return
-        session.detach()
+        else:
+            session.detach()
+        await outbox.close(1001, "session detached")  # its writer, and a socket not gone yet (1008 if overflowed)
