@@ -43,6 +43,11 @@ from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
 
+# A call's open and its ends of input are stored with an ack; an ack that a server slow under
+# load does not send in JetStream's 5 s is asked for again (the stream drops the repeat) for
+# this long before the call fails with 503 (once: twenty 3-minute uploads at once on 2 cores).
+STORE_PATIENCE_S = 30.0
+
 # A stop's bounds past the drain (the whole stop: process.stop_bound_s, server.FrontendServer):
 ABORTS_S = 3.0  # the aborts of the calls still live, published at once, all within this
 LEAVE_S = 3.0  # then the heartbeat key's delete and the bus's close
@@ -296,6 +301,7 @@ class FrontendService:
                         request_id_revision=revision,
                     )
                 ),
+                STORE_PATIENCE_S,
             )
             await self._publish_ends(cid, prepared)
         except BaseException:
@@ -342,7 +348,7 @@ class FrontendService:
 
     async def _publish_ends(self, cid: str, p: Prepared) -> None:
         for edge, total in p.ended.items():
-            await self.bus.store_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)))
+            await self.bus.store_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)), STORE_PATIENCE_S)
 
     async def abort(self, call: Call, reason: str, status: int, tell_client: bool = False) -> None:
         """End a call from this side (socket closed, timeout, refused append)."""

@@ -330,11 +330,27 @@ class BusConnection:
             headers, body = await self.payloads.outgoing(subject, body, headers)
             await self._js.publish(subject, body, headers=headers)
 
-    async def store_once(self, subject: str, body: bytes) -> None:
+    async def store_once(self, subject: str, body: bytes, patience_s: float = 0.0) -> None:
         """A message a call has once (open, end of input, edge end, done, fin), stored with an
         ack. Its subject is unique in the call, so it is also its `Nats-Msg-Id`: a republish
-        after a reconnect is deduplicated by the stream."""
-        await self.store(subject, body, headers={"Nats-Msg-Id": subject})
+        after a reconnect is deduplicated by the stream.
+
+        An ack that does not come in time (a server slow under load answers after JetStream's
+        5 s publish wait) is asked for again by publishing once more, until `patience_s` has
+        passed: the repeat is dropped by the stream, so a slow server delays the call instead
+        of failing it. Past `patience_s` the BusTimeout is raised."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience_s
+        tries = 0
+        while True:
+            try:
+                await self.store(subject, body, headers={"Nats-Msg-Id": subject})
+                return
+            except BusTimeout:
+                tries += 1
+                if loop.time() >= deadline:
+                    raise
+                log.warning("storing %s: no ack in time (try %d), sending it again", subject, tries)
 
     async def request(self, subject: str, body: bytes, timeout: float) -> bytes:
         with mapped(f"asking {subject}", self._denials):
