@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import numpy as np
 
@@ -43,16 +44,23 @@ class EchoCall:
         await self.ws.until(lambda m: m.get("request_id") == self.rid and "output" in m and m["output"]["frame"] >= frame,
                             timeout=timeout, keep=True)  # fmt: skip
 
-    async def finish(self, timeout: float = 60.0, logs: str = "") -> None:
-        """Send what is left, end the input; the call finishes with every frame once, in order."""
+    async def end(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Send what is left, end the input: the call's last reply (its finish, or an error)."""
         await self.send(self.frames)
         await self.ws.send({"request_id": self.rid, "end_input": True})
-        final = await self.ws.final(self.rid, timeout=timeout)
+        return await self.ws.final(self.rid, timeout=timeout)
+
+    async def finish(self, timeout: float = 60.0, logs: str = "") -> None:
+        """Send what is left, end the input; the call finishes with every frame once, in order."""
+        self.check(await self.end(timeout), logs)
+        await self.ws.close()
+
+    def check(self, final: dict[str, Any], logs: str = "") -> None:
+        """The call finished with every frame once, in order, byte-exact."""
         assert "finish" in final, (self.rid, final, logs)
         outs = self.ws.outputs(self.rid)
         assert [o["frame"] for o in outs] == list(range(self.frames)), (self.rid, logs)
         assert echo_bytes(outs) == self.samples.tobytes(), self.rid
-        await self.ws.close()
 
 
 async def stream_for(calls: list[EchoCall], seconds: float, frames_per_s: float = 12.5) -> None:
