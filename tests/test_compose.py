@@ -40,6 +40,12 @@ COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) 
 FILES = ["-f", "docker-compose.yml", "-f", "tests/compose.test.yml"]  # the test's override publishes NATS on loopback
 IMAGE_SERVICES = {"conductor", "frontend", "worker", "worker-gpu"}
 
+# The suite's 300 s per test counts fixture set-up too, and the first live test pays for the
+# module's: on a new machine the engine's install, debootstrap, the stand-ins, the wheelhouse
+# and the image build (bounded at 1500 s below), then `up --wait` (300 s) and every container
+# healthy (300 s). A warm machine (layers cached) takes about a minute.
+pytestmark = pytest.mark.timeout(2400)
+
 
 def compose_config(*args: str) -> dict[str, Any]:
     assert COMPOSE is not None
