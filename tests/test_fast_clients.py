@@ -81,10 +81,14 @@ RSS_GROWTH_MB = 45
 
 
 async def test_twenty_fast_calls_at_once_complete_and_the_workers_stay_bounded(stack: Stack) -> None:
-    """20 calls of 3 minutes each, all sent as fast as possible at once: 115 MB of input,
-    against 4 MiB a worker may hold. Not 10 minutes each (384 MB): over three times this
-    test's half minute per stack (one call of 10 minutes is the test above)."""
-    xs = [recording(180, seed=10 + i) for i in range(20)]
+    """20 calls sent as fast as possible at once, against 4 MiB a worker may hold: of 10 minutes
+    each (384 MB of input) where the partitions are in workers of their own; of 3 minutes
+    (115 MB) where one worker has both, to keep the suite's time (the same bounds hold).
+    Before, 20 x 10 minutes ended in 499 "frontend lost": the frontend's bus connection was so
+    backed up that its heartbeats came too late; now it holds client input meanwhile
+    (services/frontend/pressure.py), and all finish in about 70 s on this 2-core machine."""
+    minutes = 10 if len(worker_pids(stack)) == 2 else 3
+    xs = [recording(minutes * 60, seed=10 + i) for i in range(20)]
     async with PeakRSS(worker_pids(stack)) as rss:
         results = await asyncio.gather(*(stream_call(stack.ws_url(), x, RATE, fast=True) for x in xs))
     for x, result in zip(xs, results, strict=True):

@@ -245,3 +245,22 @@ async def test_a_client_that_reads_nothing_is_found_stalled_and_a_ping_behind_ou
     proto.shed(shed[0][1])
     assert transport.aborted  # dropped: a close frame would wait behind the rest
     proto.connection_lost(None)
+
+
+async def test_an_unfinished_message_is_not_timed_while_the_socket_is_not_read() -> None:
+    """Reading paused because the app is behind (or holds input while the bus is backed up):
+    the client cannot finish its message, so its time counts only once reading resumes.
+    Before, twenty uploads held so for 30 s were closed with 1008 message_timeout_s."""
+    proto, transport, _, guard = await _guarded(_limits(message_timeout_s=1.0))
+    proto.data_received(_client_frames(MAX_INBOUND))  # the app reads nothing: reading pauses
+    assert proto.read_paused and transport.paused == 1
+    proto.data_received(_fragment(b"x" * 1000, first=True))  # already on its way: half a message
+    assert proto.load(time.monotonic()).message_since is None
+    assert guard.sweep(time.monotonic() + 5) == []  # held for 5 s: nothing to blame the client for
+    while not proto.queue.empty():
+        await proto.receive()
+    assert not proto.read_paused
+    since = proto.load(time.monotonic()).message_since
+    assert since is not None and time.monotonic() - since < 0.5  # timed from the resume
+    assert [w.key for _, w in guard.sweep(time.monotonic() + 1.5)] == ["message_timeout_s"]
+    proto.connection_lost(None)

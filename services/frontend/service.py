@@ -21,6 +21,7 @@ import msgspec
 from models.registry import get_model, served_model
 from services.frontend.calls import CallInput, InputState, Prepared
 from services.frontend.outbox import Reply
+from services.frontend.pressure import BusPressure
 from services.frontend.protocol import Append, EndInput, Opening
 from services.frontend.relay import OutputRelay
 from shared.bus import subjects, wire
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 # load does not send in JetStream's 5 s is asked for again (the stream drops the repeat) for
 # this long before the call fails with 503 (once: twenty 3-minute uploads at once on 2 cores).
 STORE_PATIENCE_S = 30.0
+PROBE_EVERY_S = 0.25  # the bus connection's round trip measured this often (pressure.py)
+PROBE_TIMEOUT_S = 10.0
 
 # A stop's bounds past the drain (the whole stop: process.stop_bound_s, server.FrontendServer):
 ABORTS_S = 3.0  # the aborts of the calls still live, published at once, all within this
@@ -102,6 +105,9 @@ class FrontendService:
         self.default_model = config.model
         self.metrics = FrontendMetrics()
         self.readiness = Readiness(config.heartbeat_s)
+        self.pressure = BusPressure()  # client input waits while the bus connection is backed up
+        self._taking = asyncio.Event()
+        self._taking.set()
         self.metrics.live_calls.set_function(lambda: len(self.calls))
         # Load the served model and check the config's client_streams against it now, so a
         # bad name or bound stops the process at start-up with an error naming the key.
@@ -146,6 +152,7 @@ class FrontendService:
         hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
         self.tasks.spawn(self.frontends.heartbeat(self.frontend_id, lambda: hb, self.config.heartbeat_s))
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
+        self.tasks.spawn(self._probe_bus())
         await self._wait_for_conductor()
 
     async def _wait_for_conductor(self) -> None:
@@ -337,9 +344,43 @@ class FrontendService:
         error = f"stream(s) {late} already ended: " + "; ".join(what)
         call.reply({"append": True, "error": error, "status": 409, "late": late})
 
+    async def _probe_bus(self) -> None:
+        """Round trips on the bus connection, for `pressure.BusPressure` to judge: each 0.25 s
+        while input is taken, back to back while it is held. An outage holds nothing (the
+        connection's reconnect buffer and the calls' own timeouts see to that)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            probe = loop.create_task(self.bus.round_trip(PROBE_TIMEOUT_S))
+            try:
+                if not (await asyncio.wait({probe}, timeout=self.pressure.slow_s))[0]:
+                    self._take_input(self.pressure.observed(None, loop.time()))
+                await probe
+                self._take_input(self.pressure.observed(loop.time() - t0, loop.time()))
+            except BusError as e:
+                log.debug("bus probe: %s", e)
+                self._take_input(True)
+            finally:
+                probe.cancel()
+            if self.pressure.taking:
+                await asyncio.sleep(PROBE_EVERY_S)
+
+    def _take_input(self, taking: bool) -> None:
+        if taking == self._taking.is_set():
+            return
+        if taking:
+            self._taking.set()
+            log.debug("the bus caught up: taking client input again")
+        else:
+            self._taking.clear()
+            self.metrics.input_holds.inc()
+            log.debug("the bus connection is backed up: client input waits")
+
     async def _publish_items(self, cid: str, p: Prepared) -> None:
         self.metrics.appends.inc(len(p.items))
         for edge, seq, item in p.items:
+            if not self._taking.is_set():
+                await self._taking.wait()
             body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item), sent_ns=time.time_ns()))
             # Core publish: the stream stores it all the same, with no round trip per append.
             # No Nats-Msg-Id: consumers deduplicate items by seq, and the server's duplicate

@@ -165,7 +165,12 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.pause_reading()
 
     async def receive(self) -> Any:
+        paused = self.read_paused
         message = await super().receive()
+        if paused and not self.read_paused and self._message_since is not None:
+            # The socket was not read (the app was behind, or held input for the bus): an
+            # unfinished message's time counts from now, it was not the client's to finish.
+            self._message_since = time.monotonic()
         body = message.get("text") or message.get("bytes")
         if isinstance(body, str | bytes):
             self._queued_bytes = max(0, self._queued_bytes - len(body))
@@ -281,7 +286,7 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         return Load(
             input=self._frames_bytes + len(self.conn.reader.buffer) + self._queued_bytes,
             output=self._out_bytes + waiting,
-            message_since=self._message_since,
+            message_since=None if self.read_paused else self._message_since,  # not read: not the client's delay
             stalled_since=self._progress_at if waiting else None,
             idle_since=self._active_at if self.busy is not None and self.handshake_complete else None,
         )

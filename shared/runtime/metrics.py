@@ -35,6 +35,11 @@ class FrontendMetrics(Metrics):
             "duplexbus_frontend_admission_refusals", "Openings refused before a call started, by status", ["status"], registry=r
         )
         self.appends = Counter("duplexbus_frontend_appends", "Client stream items published", registry=r)
+        self.input_holds = Counter(
+            "duplexbus_frontend_input_holds",
+            "Times client input was held because the bus connection was backed up (services/frontend/pressure.py)",
+            registry=r,
+        )
         self.reply_lag = Histogram(
             "duplexbus_frontend_reply_lag_seconds",
             "A model output's time from the worker publishing it to the frontend handing it to the client",
