@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import shutil
@@ -18,6 +19,7 @@ import pytest
 from shared.bus.embedded import free_port
 from shared.sdk.audio import encode_wav
 from tests.support import REPO
+from tests.support.realtime import sdk_echo_is_byte_exact
 from tests.support.stack import listening, procs_mentioning
 
 
@@ -86,6 +88,8 @@ def test_make_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
             got = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
         assert np.array_equal(got[: len(samples)], samples)
         assert not got[len(samples) :].any()
+        # A client nobody here wrote: the official SDK over /v1/realtime, on the same stack.
+        asyncio.run(sdk_echo_is_byte_exact(port))
     finally:
         os.killpg(make.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         try:

@@ -6,7 +6,6 @@ Every event received is validated by the SDK's typed event models (tests/support
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import audio_of, check_event, check_responses, snr_db, tone
+from tests.support.realtime import audio_of, check_responses, manual, snr_db, tone, until
 from tests.support.stack import Stack, running_stack
 
 
@@ -27,28 +26,6 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
 
 def client(stack: Stack) -> AsyncOpenAI:
     return AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
-
-
-async def until(conn: Any, kind: str, events: list[dict[str, Any]], timeout: float = 20.0) -> dict[str, Any]:
-    """Events (each validated) until one of `kind`."""
-    import asyncio
-
-    async def read() -> dict[str, Any]:
-        while True:
-            raw = await conn.recv_bytes()
-            e: dict[str, Any] = json.loads(raw)
-            check_event(e)
-            assert conn.parse_event(raw).type == e["type"]
-            events.append(e)
-            if e["type"] == kind:
-                return e
-
-    return await asyncio.wait_for(read(), timeout)
-
-
-def manual(rate: int) -> dict[str, Any]:
-    fmt = {"type": "audio/pcm", "rate": rate}
-    return {"type": "realtime", "audio": {"input": {"format": fmt, "turn_detection": None}, "output": {"format": fmt}}}
 
 
 async def test_echo_16khz_manual_commits_come_back_byte_exact(stack: Stack) -> None:

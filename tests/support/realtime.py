@@ -132,3 +132,50 @@ async def wait_calls(stack: Stack, n: int, timeout: float = 10.0) -> None:
     while calls(stack) != n:
         assert time.monotonic() < deadline, f"{calls(stack)} calls, expected {n}"
         await asyncio.sleep(0.1)
+
+
+# -- the official SDK's client ------------------------------------------------------
+async def until(conn: Any, kind: str, events: list[dict[str, Any]], timeout: float = 20.0) -> dict[str, Any]:
+    """Events (each validated) until one of `kind`."""
+    import asyncio
+
+    async def read() -> dict[str, Any]:
+        while True:
+            raw = await conn.recv_bytes()
+            e: dict[str, Any] = json.loads(raw)
+            check_event(e)
+            assert conn.parse_event(raw).type == e["type"]
+            events.append(e)
+            if e["type"] == kind:
+                return e
+
+    return await asyncio.wait_for(read(), timeout)
+
+
+def manual(rate: int) -> dict[str, Any]:
+    fmt = {"type": "audio/pcm", "rate": rate}
+    return {"type": "realtime", "audio": {"input": {"format": fmt, "turn_detection": None}, "output": {"format": fmt}}}
+
+
+async def sdk_echo_is_byte_exact(port: int) -> None:
+    """One `echo` turn through the official SDK at 16 kHz, committed by hand: the response's
+    audio is the committed buffer, byte for byte, and every event validates."""
+    from openai import AsyncOpenAI
+
+    from shared.sdk.audio import b64_pcm16
+
+    events: list[dict[str, Any]] = []
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
+    async with client.realtime.connect(model="echo") as conn:
+        await until(conn, "session.created", events)
+        await conn.session.update(session=manual(16000))  # type: ignore[arg-type]
+        await until(conn, "session.updated", events)
+        clip = tone(0.5, 16000)
+        for i in range(0, len(clip), 320):
+            await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + 320]))
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        done = await until(conn, "response.done", events)
+        assert done["response"]["status"] == "completed", done
+        assert audio_of(events, done["response"]["id"]) == clip.tobytes()
+    check_responses(events)
