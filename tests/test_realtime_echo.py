@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import audio_of, check_responses, manual, snr_db, tone, until
+from tests.support.realtime import audio_of, check_responses, manual, sdk_append, sdk_turn, snr_db, tone, until
 from tests.support.stack import Stack, running_stack
 
 
@@ -37,11 +36,7 @@ async def test_echo_16khz_manual_commits_come_back_byte_exact(stack: Stack) -> N
         await until(conn, "session.updated", events)
         clips = [tone(0.5, 16000), tone(0.23, 16000, hz=660)]
         for clip in clips:
-            for i in range(0, len(clip), 320):  # 20 ms appends
-                await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + 320]))
-            await conn.input_audio_buffer.commit()
-            await conn.response.create()
-            done = await until(conn, "response.done", events)
+            done = await sdk_turn(conn, clip, 320, events, create=True)  # 20 ms appends
             assert done["response"]["status"] == "completed"
             assert audio_of(events, done["response"]["id"]) == clip.tobytes()
         await conn.send({"type": "session.close"})  # type: ignore[arg-type]
@@ -59,10 +54,7 @@ async def test_echo_24khz_comes_back_within_the_bound(stack: Stack) -> None:
         await conn.session.update(session=manual(24000))  # type: ignore[arg-type]
         await until(conn, "session.updated", events)
         clip = tone(1.0, 24000)
-        for i in range(0, len(clip), 480):
-            await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + 480]))
-        await conn.input_audio_buffer.commit()
-        done = await until(conn, "response.done", events)
+        done = await sdk_turn(conn, clip, 480, events)
     got = np.frombuffer(audio_of(events, done["response"]["id"]), dtype="<i2")
     assert abs(len(got) - len(clip)) <= 2
     assert snr_db(clip, got) > 40.0
@@ -78,12 +70,7 @@ async def test_echo_at_other_rates_comes_back_at_the_output_rate(stack: Stack, i
     async with client(stack).realtime.connect(model="echo") as conn:
         await conn.session.update(session=session)  # type: ignore[arg-type]
         await until(conn, "session.updated", events)
-        clip = tone(0.5, input_rate)
-        step = input_rate // 50
-        for i in range(0, len(clip), step):
-            await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + step]))
-        await conn.input_audio_buffer.commit()
-        done = await until(conn, "response.done", events)
+        done = await sdk_turn(conn, tone(0.5, input_rate), input_rate // 50, events)
     got = np.frombuffer(audio_of(events, done["response"]["id"]), dtype="<i2")
     assert abs(len(got) - output_rate // 2) <= 2, (len(got), output_rate)
     assert snr_db(tone(0.5, output_rate), got) > 50.0
@@ -100,8 +87,7 @@ async def test_echo_server_vad_turn_comes_back_as_a_response(stack: Stack) -> No
         await conn.session.update(session=session)  # type: ignore[arg-type]
         voiced = tone(0.4, 16000)[: 5 * 1280]
         audio = np.concatenate([np.zeros(2 * 1280, np.int16), voiced, np.zeros(10 * 1280, np.int16)])
-        for i in range(0, len(audio), 640):
-            await conn.input_audio_buffer.append(audio=b64_pcm16(audio[i : i + 640]))
+        await sdk_append(conn, audio, 640)
         stopped = await until(conn, "input_audio_buffer.speech_stopped", events)
         done = await until(conn, "response.done", events)
     started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")

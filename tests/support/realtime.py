@@ -157,12 +157,28 @@ def manual(rate: int) -> dict[str, Any]:
     return {"type": "realtime", "audio": {"input": {"format": fmt, "turn_detection": None}, "output": {"format": fmt}}}
 
 
+async def sdk_append(conn: Any, clip: np.ndarray, step: int) -> None:
+    """`clip` appended through the SDK in pieces of `step` samples."""
+    from shared.sdk.audio import b64_pcm16
+
+    for i in range(0, len(clip), step):
+        await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + step]))
+
+
+async def sdk_turn(conn: Any, clip: np.ndarray, step: int, events: list[dict[str, Any]], create: bool = False) -> dict[str, Any]:
+    """One turn committed by hand: the clip appended, committed (and `response.create` sent
+    where the session does not answer a commit by itself); its `response.done`."""
+    await sdk_append(conn, clip, step)
+    await conn.input_audio_buffer.commit()
+    if create:
+        await conn.response.create()
+    return await until(conn, "response.done", events)
+
+
 async def sdk_echo_is_byte_exact(port: int) -> None:
     """One `echo` turn through the official SDK at 16 kHz, committed by hand: the response's
     audio is the committed buffer, byte for byte, and every event validates."""
     from openai import AsyncOpenAI
-
-    from shared.sdk.audio import b64_pcm16
 
     events: list[dict[str, Any]] = []
     client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
@@ -171,11 +187,7 @@ async def sdk_echo_is_byte_exact(port: int) -> None:
         await conn.session.update(session=manual(16000))  # type: ignore[arg-type]
         await until(conn, "session.updated", events)
         clip = tone(0.5, 16000)
-        for i in range(0, len(clip), 320):
-            await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + 320]))
-        await conn.input_audio_buffer.commit()
-        await conn.response.create()
-        done = await until(conn, "response.done", events)
+        done = await sdk_turn(conn, clip, 320, events, create=True)
         assert done["response"]["status"] == "completed", done
         assert audio_of(events, done["response"]["id"]) == clip.tobytes()
     check_responses(events)
