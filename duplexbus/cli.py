@@ -216,29 +216,55 @@ def up_options(args: argparse.Namespace, cfg: ServingConfig) -> UpOptions:
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
+    """The server(s) want generated credentials, as `duplexbus up`'s embedded one does: the URL
+    with them goes to a file beside the store, readable by this user alone (the terminal gets
+    the URL without the password)."""
     import contextlib
+    import secrets
     import signal
     import time
 
-    from shared.bus.embedded import NatsCluster, NatsServer
+    from duplexbus.supervisor import save_nats_url
+    from shared.bus.embedded import NatsCluster, NatsServer, StoreInUse
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
+    credentials = ("duplexbus", secrets.token_urlsafe(24))
     server: NatsServer | NatsCluster
     monitor = args.monitor_port
     if args.cluster:
         monitors = [monitor + i for i in range(3)] if monitor else None
-        server = NatsCluster(args.store, ports=[args.port + i for i in range(3)], monitor_ports=monitors)
+        ports = [args.port + i for i in range(3)]
+        server = NatsCluster(args.store, ports=ports, monitor_ports=monitors, credentials=credentials)
     else:
-        server = NatsServer(args.store, port=args.port, monitor_port=monitor)
-    with server, contextlib.suppress(KeyboardInterrupt):
-        print(server.url, flush=True)
-        if args.cluster:
-            print("a cluster: give the services NATS_URL above and retention.replicas: 3", file=sys.stderr, flush=True)
-        monitoring = server.monitor_urls if isinstance(server, NatsCluster) else [server.monitor_url]
-        print(f"monitoring on {', '.join(monitoring)} (/healthz, /varz, /jsz)", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(1)
+        server = NatsServer(args.store, port=args.port, monitor_port=monitor, credentials=credentials)
+    saved = nats_url_file(Path(args.store))
+    try:
+        server.start()  # the store's lock first: the file beside it may be another live server's
+    except StoreInUse as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # a stop at any point from here on is a clean one
+            save_nats_url(saved, server.client_url)
+            print(server.url, flush=True)
+            hint = " and retention.replicas: 3" if args.cluster else ""
+            print(f"credentials in {saved} (yours alone): give the services NATS_URL=$(cat {saved}){hint}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            monitoring = server.monitor_urls if isinstance(server, NatsCluster) else [server.monitor_url]
+            print(f"monitoring on {', '.join(monitoring)} (/healthz, /varz, /jsz)", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(1)
+    finally:
+        server.stop()
+        saved.unlink(missing_ok=True)  # the credentials go with the server
     return 0
+
+
+def nats_url_file(store: Path) -> Path:
+    """Where `duplexbus nats` leaves its URL: beside its store, named after it (`.run/nats.url`
+    by default, where `duplexbus up` leaves its own, so `replay` finds it the same way). Two
+    live servers never share a store, so they never share this file either."""
+    return store.parent / f"{store.name}.url"
 
 
 def cmd_call(args: argparse.Namespace) -> int:

@@ -197,9 +197,8 @@ def saved_nats_url(run_dir: Path) -> str | None:
         return None
 
 
-def _save_nats_url(run_dir: Path, url: str) -> None:
+def save_nats_url(path: Path, url: str) -> None:
     """Readable by this user alone: the URL carries the embedded server's password."""
-    path = run_dir / NATS_URL_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(url + "\n")
@@ -286,6 +285,12 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
         nonlocal stop
         stop = True
 
+    if not cfg.nats_url and (cfg.nats_creds or cfg.nats_tls):
+        # The children would offer both to the embedded server, which takes its own password only.
+        print("error: NATS credentials or TLS are set (nats_creds/nats_tls, or $NATS_CREDS, $NATS_CA, $NATS_CERT, "
+              "$NATS_KEY) but no NATS URL: they are for your own NATS server, so give its URL too (NATS_URL or "
+              "nats_url); the embedded server makes credentials of its own", file=sys.stderr, flush=True)  # fmt: skip
+        return 2
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
@@ -323,7 +328,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             except (RuntimeError, TimeoutError) as e:  # it exited, or never answered: its log says why
                 print(f"error: the embedded nats-server did not start: {e}", file=sys.stderr, flush=True)
                 return 2
-            _save_nats_url(opts.run_dir, server.client_url)
+            save_nats_url(opts.run_dir / NATS_URL_FILE, server.client_url)
             env["NATS_URL"] = server.client_url
             cfg = msgspec.structs.replace(cfg, nats_url=server.client_url)
             print(f"nats-server (embedded) on {server.url}, store {opts.run_dir / 'nats'}, "

@@ -51,6 +51,7 @@ def test_nats_serves_monitoring_on_the_port_it_is_given_and_says_so(tmp_path: Pa
     try:
         assert proc.stdout is not None and proc.stderr is not None
         assert proc.stdout.readline().strip() == f"nats://127.0.0.1:{port}"
+        assert "credentials in " in proc.stderr.readline()
         assert f"monitoring on http://127.0.0.1:{monitor} " in proc.stderr.readline()
         with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=5) as r:
             assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}

@@ -72,7 +72,7 @@ def test_up_uses_the_configs_nats_url_and_fails_when_never_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signals_kept: None
 ) -> None:
     monkeypatch.delenv("NATS_URL", raising=False)
-    cfg = ServingConfig(model="echo", nats_url="nats://127.0.0.1:1")
+    cfg = ServingConfig(model="echo", nats_url="nats://svc:s3cret@127.0.0.1:1")
     opts = UpOptions(
         config=str(tmp_path / "missing.yaml"),  # every child exits at once with a config error
         model="echo",
@@ -86,7 +86,7 @@ def test_up_uses_the_configs_nats_url_and_fails_when_never_ready(
     )
     assert run_up(opts, ["Encoder", "Talker"], cfg) == 1
     out = capsys.readouterr().out
-    assert "using NATS at nats://127.0.0.1:1" in out
+    assert "using NATS at nats://svc:***@127.0.0.1:1" in out and "s3cret" not in out  # no password on the terminal
     assert "embedded" not in out
     assert "did not become ready" in out
 

@@ -203,6 +203,7 @@ def test_duplexbus_nats_cluster_runs_three_nodes_until_sigterm(tmp_path: Path) -
         urls = proc.stdout.readline().strip().split(",")
         assert urls == [f"nats://127.0.0.1:{p}" for p in (port, port + 1, port + 2)]
         assert "retention.replicas: 3" in proc.stderr.readline()
+        urls = (tmp_path / "nats.url").read_text().strip().split(",")  # the same, with the credentials it made
 
         async def replicated() -> None:
             config = parse_config({"nats_url": urls[0], "retention": {"replicas": 3}})

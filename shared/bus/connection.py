@@ -17,7 +17,6 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from typing import Any
 from urllib.parse import urlsplit
 
-import nats
 from nats import micro
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -44,7 +43,7 @@ from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import BusError, BusNotFound, BusRefused, BusTimeout, BusUnavailable
+from shared.runtime.errors import BusDenied, BusError, BusNotFound, BusRefused, BusTimeout, BusUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +105,18 @@ def redacted(urls: str | None) -> str:
             url = parts._replace(netloc=netloc).geturl()
         out.append(url)
     return ",".join(out)
+
+
+CLOSE_FAILED_S = 2.0
+
+
+async def _close_quietly(nc: Client) -> None:
+    """Close a client whose connect failed. Bounded: nats-py may wait on a transport that a
+    failed TLS handshake left half open, and there is nothing to keep of it."""
+    try:
+        await asyncio.wait_for(nc.close(), CLOSE_FAILED_S)
+    except Exception as e:
+        log.debug("closing a connection that failed: %r", e)
 
 
 def _connect_options(config: ServingConfig, name: str) -> dict[str, Any]:
@@ -210,12 +221,23 @@ class BusConnection:
         opts["error_cb"] = on_error
         if reconnected is not None:
             opts["reconnected_cb"] = reconnected
-        with mapped(f"connecting to {redacted(config.nats_url)}", denials):
-            if connect_timeout is None:
-                nc = await nats.connect(**opts)
-            else:  # one try at each server
-                opts.update(allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=min(2.0, connect_timeout))
-                nc = await asyncio.wait_for(nats.connect(**opts), connect_timeout)
+        doing = f"connecting to {redacted(config.nats_url)}"
+        nc = Client()
+        try:
+            with mapped(doing, denials):
+                if connect_timeout is None:
+                    await nc.connect(**opts)
+                else:  # one try at each server
+                    opts.update(allow_reconnect=False, max_reconnect_attempts=1, connect_timeout=min(2.0, connect_timeout))
+                    await asyncio.wait_for(nc.connect(**opts), connect_timeout)
+        except BaseException as e:
+            # A refused attempt (credentials, TLS) leaves its socket open in nats-py: close it.
+            await asyncio.shield(_close_quietly(nc))
+            if isinstance(e, ssl.SSLError):  # a certificate not trusted: one line, no traceback
+                raise BusDenied(doing, f"TLS: {e.reason or e}") from e
+            if isinstance(e, OSError):  # cut during the handshake (a server that wants our certificate, say)
+                raise BusUnavailable(doing, f"{e.strerror or e}") from e
+            raise
         conn = cls(nc, config, denials)
         try:
             await conn._set_up(stream, buckets, connect_timeout)

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -67,10 +68,12 @@ class NatsServer:
         monitor_port: int | None = None,
         credentials: tuple[str, str] | None = None,
         args: Sequence[str] = (),
+        config: str = "",
     ) -> None:
         """`credentials` (user, password): clients must give them (`client_url` carries them);
         without, anyone who reaches the port may connect. `args`: more of nats-server's
-        options (a cluster node's: NatsCluster)."""
+        options (a cluster node's: NatsCluster); `config`: more of its config file, which only
+        this user can read (where a secret goes: a command line is public)."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
@@ -78,6 +81,7 @@ class NatsServer:
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.credentials = credentials
         self.args = list(args)
+        self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -112,8 +116,8 @@ class NatsServer:
             "-l", str(self.log_file),
             *self.args,
         ]  # fmt: skip
-        if self.credentials is not None:
-            cmd += ["-c", str(self._write_auth_config())]
+        if self.credentials is not None or self.config:
+            cmd += ["-c", str(self._write_config())]
         lock = self._lock_store()
         try:
             # Own process group: Ctrl-C in a terminal goes to our supervisor, which stops it last.
@@ -138,15 +142,16 @@ class NatsServer:
             raise StoreInUse(self.store_dir, holder) from None
         return fd
 
-    def _write_auth_config(self) -> Path:
-        """The server's accounts, readable by this user alone (a password on the command line
-        would be readable by every local user in the process list)."""
-        assert self.credentials is not None
-        user, password = self.credentials
+    def _write_config(self) -> Path:
+        """The server's accounts (and `config`), readable by this user alone (a password on the
+        command line would be readable by every local user in the process list)."""
+        text = self.config
+        if self.credentials is not None:
+            text = _authorization(*self.credentials) + text
         path = self.store_dir / "auth.conf"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(f"authorization {{\n  user: {json.dumps(user)}\n  password: {json.dumps(password)}\n}}\n")
+            f.write(text)
         return path
 
     def wait_ready(self, timeout: float, in_cluster: bool = False) -> None:
@@ -191,6 +196,12 @@ class NatsServer:
         self.stop()
 
 
+def _authorization(user: str, password: str, indent: str = "") -> str:
+    """An `authorization` block of nats-server's config (JSON strings are its quoted strings)."""
+    lines = ["authorization {", f"  user: {json.dumps(user)}", f"  password: {json.dumps(password)}", "}"]
+    return "".join(f"{indent}{line}\n" for line in lines)
+
+
 class NatsCluster:
     """Nodes of one JetStream cluster (three by default), each a NatsServer with its own store
     under `store_dir`, routes to the others on loopback. For trying duplexbus on a cluster
@@ -205,29 +216,44 @@ class NatsCluster:
         name: str = "duplexbus",
         ports: Sequence[int] | None = None,
         monitor_ports: Sequence[int] | None = None,
+        credentials: tuple[str, str] | None = None,
     ) -> None:
-        """`ports`, `monitor_ports`: each node's client and monitoring port (free ones where not given)."""
+        """`ports`, `monitor_ports`: each node's client and monitoring port (free ones where not
+        given). `credentials` (user, password): what clients must give, as NatsServer's; the
+        routes between the nodes then want a generated password of their own too (else any
+        local process could join the cluster as a node and see every message)."""
         self.store_dir = Path(store_dir)
         self.name = name
         routes = [free_port(host) for _ in range(nodes)]
+        route_auth = None if credentials is None else ("route", secrets.token_urlsafe(24))
         self.nodes = [
             NatsServer(
                 self.store_dir / self.node_name(i),
                 port=ports[i] if ports else None,
                 monitor_port=monitor_ports[i] if monitor_ports else None,
                 host=host,
-                args=self._node_args(i, host, routes),
+                credentials=credentials,
+                args=["--server_name", self.node_name(i)] + ([] if route_auth else self._cluster_args(i, host, routes)),
+                config=self._cluster_config(i, host, routes, route_auth) if route_auth else "",
             )
             for i in range(nodes)
         ]
 
-    def _node_args(self, i: int, host: str, routes: list[int]) -> list[str]:
+    def _cluster_args(self, i: int, host: str, routes: list[int]) -> list[str]:
         return [
-            "--server_name", self.node_name(i),
             "--cluster_name", self.name,
             "--cluster", f"nats://{host}:{routes[i]}",
             "--routes", ",".join(f"nats://{host}:{p}" for j, p in enumerate(routes) if j != i),
         ]  # fmt: skip
+
+    def _cluster_config(self, i: int, host: str, routes: list[int], auth: tuple[str, str]) -> str:
+        """The cluster block of node i, its routes' password in it (not on the command line)."""
+        user, password = (quote(c, safe="") for c in auth)
+        others = [json.dumps(f"nats://{user}:{password}@{host}:{p}") for j, p in enumerate(routes) if j != i]
+        return (
+            f"cluster {{\n  name: {json.dumps(self.name)}\n  listen: {json.dumps(f'{host}:{routes[i]}')}\n"
+            f"{_authorization(*auth, indent='  ')}  routes: [{', '.join(others)}]\n}}\n"
+        )
 
     def node_name(self, i: int) -> str:
         return f"{self.name}-{'abcdefghijklmnopqrstuvwxyz'[i]}"
@@ -236,6 +262,11 @@ class NatsCluster:
     def url(self) -> str:
         """Every node's URL, comma-separated (NATS_URL for a service that may use any node)."""
         return ",".join(n.url for n in self.nodes)
+
+    @property
+    def client_url(self) -> str:
+        """Every node's URL with the credentials clients give, comma-separated."""
+        return ",".join(n.client_url for n in self.nodes)
 
     @property
     def monitor_urls(self) -> list[str]:

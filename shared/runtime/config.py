@@ -220,12 +220,14 @@ def parse_config(data: dict[str, Any] | None) -> ServingConfig:
 
 
 # Keys the environment sets over the config file (a container changes them without a new file).
-ENV_OVERRIDES = {"nats_url": "NATS_URL", "model": "DUPLEXBUS_MODEL"}
+ENV_OVERRIDES = {"nats_url": "NATS_URL", "nats_creds": "NATS_CREDS", "model": "DUPLEXBUS_MODEL"}
+# nats_tls's keys, from the variables the `nats` command line tool reads for the same files.
+TLS_ENV = {"ca_file": "NATS_CA", "cert_file": "NATS_CERT", "key_file": "NATS_KEY"}
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConfig:
-    """Config from `path` (or $DUPLEXBUS_CONFIG), then the environment (ENV_OVERRIDES), then
-    explicit overrides."""
+    """Config from `path` (or $DUPLEXBUS_CONFIG), then the environment (ENV_OVERRIDES, TLS_ENV,
+    $DUPLEXBUS_TOKENS), then explicit overrides."""
     path = path or os.environ.get("DUPLEXBUS_CONFIG")
     data: dict[str, Any] = {}
     if path:
@@ -239,6 +241,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> ServingConf
     for key, env in ENV_OVERRIDES.items():
         if os.environ.get(env):
             data[key] = os.environ[env]
+    tls = {key: os.environ[env] for key, env in TLS_ENV.items() if os.environ.get(env)}
+    file_tls = data.get("nats_tls") or {}
+    if tls and isinstance(file_tls, dict):  # over the file's nats_tls, key by key (not a mapping: its error says so)
+        data["nats_tls"] = {**file_tls, **tls}
     if os.environ.get("DUPLEXBUS_TOKENS"):  # added to the file's: a deployment keeps secrets out of files
         tokens = [t.strip() for t in os.environ["DUPLEXBUS_TOKENS"].split(",") if t.strip()]
         auth = data.setdefault("auth", {})
