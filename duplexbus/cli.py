@@ -177,6 +177,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         ws_max_size=cfg.ws_max_frame_bytes,  # the app answers oversize messages itself
         ws_per_message_deflate=False,  # compressing base64 audio costs CPU and saves little
         log_level="warning",
+        log_config=None,  # uvicorn's own lines go through setup_logging's handler (JSON with --log-format json)
         lifespan="on",
         ws_ping_interval=20,
     )
