@@ -275,6 +275,11 @@ def test_every_container_is_healthy_and_the_image_runs_as_non_root(stack: Compos
         if info["Config"]["Image"] == "duplexbus:latest":
             assert info["Config"]["User"] == "duplexbus", name
     assert stack("exec", "-T", "conductor", "id", "-u").strip() != "0"
+    # The conductor and the workers serve their metrics and health on 9100 inside the network.
+    scrape = "import sys, urllib.request as u; print(u.urlopen(sys.argv[1], timeout=5).read().decode())"
+    for service, metric in (("conductor", "duplexbus_conductor_placements"), ("worker", "duplexbus_worker_live_calls")):
+        assert metric in stack("exec", "-T", service, "python", "-c", scrape, "http://127.0.0.1:9100/metrics"), service
+        assert stack("exec", "-T", service, "python", "-c", scrape, "http://127.0.0.1:9100/readyz").strip(), service
 
 
 async def test_a_voice_assistant_call_on_a_worker_the_environment_picked(
