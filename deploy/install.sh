@@ -9,7 +9,11 @@ set -eu
 offline() { ls /wheelhouse/*.whl >/dev/null 2>&1; }
 case "$1" in
   deps)
-    if [ "$2" = cuda ]; then
+    if [ "$2" = cuda ] && ls /wheelhouse/cuda/*.whl >/dev/null 2>&1; then
+      # Air-gapped: torch's CUDA build and its nvidia-* wheels brought into wheelhouse/cuda/
+      # (`pip download torch==2.13.0 -d wheelhouse/cuda` on a machine that reaches PyPI).
+      pip install --no-index --find-links /wheelhouse/cuda "torch==2.13.0"
+    elif [ "$2" = cuda ]; then
       # PyPI's torch for Linux is the CUDA build; its CUDA libraries come as nvidia-* wheels.
       pip install "torch==2.13.0"
     elif ! offline; then
