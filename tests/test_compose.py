@@ -319,8 +319,10 @@ async def test_a_voice_assistant_call_on_a_worker_the_environment_picked(
 
 async def test_scaled_out_frontends_and_workers_take_calls(stack: Compose, gateway: str, nats_of_stack: str) -> None:
     frontends_before = set(await kv_values(nats_of_stack, subjects.KV_FRONTENDS))
-    workers_before = await echo_workers(nats_of_stack)
-    assert len(frontends_before) == 1 and len(workers_before) == 1
+    # The echo worker's heartbeat may be a beat late (a full suite on 2 cores, the
+    # voice_assistant worker of the test before just gone): wait for it, do not assume it.
+    workers_before = await wait_for("the echo worker heartbeating", lambda: echo_workers(nats_of_stack), timeout=60)
+    assert len(frontends_before) == 1 and len(workers_before) == 1, (frontends_before, workers_before, stack.logs())
     stack("up", "-d", "--wait", "--wait-timeout", "300", "--no-recreate", "--scale", "frontend=2", "--scale", "worker=2")
     stack.wait_healthy()
     new_workers = await wait_for("the new worker", lambda: _grown(echo_workers(nats_of_stack), workers_before))
