@@ -28,7 +28,7 @@ system-deps:
 # -rs: a skipped test says why in one line (a compose test with no engine to run on, a
 # browser test with no chromium), never silently.
 test: $(STAMP) system-deps lint typecheck
-	$(PY) -m pytest -q -rs $(ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(ARGS)
 
 # No nats-server, no process (the tests tests/support/tiers.py leaves unmarked), nothing marked
 # slow; the five slowest are listed, so a slow newcomer is seen.
