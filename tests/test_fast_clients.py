@@ -16,7 +16,7 @@ import pytest
 from clients.call import stream_call
 from models.echo import FRAME
 from tests.support.audio import echo_bytes, padded
-from tests.support.bus import own_nats_server, worker_stats
+from tests.support.bus import worker_stats
 from tests.support.client import post_one_shot
 from tests.support.stack import PeakRSS, Stack, running_stack
 
@@ -35,16 +35,12 @@ CONFIG = {"model": "echo", "step_window_ms": 40, "worker_call_buffer_mb": 1, "wo
 
 
 @pytest.fixture(scope="module", params=["two-workers", "one-worker"])
-async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
+async def stack(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     """Each partition in a worker of its own (the frames edge crosses the bus), or both in one
-    (frames are handed over in the process, except while the call is paused). On a
-    nats-server of its own, its store on tmpfs: these tests write about 1.5 GB to the
-    stream, which on the suite's server on disk took the twenty 10-minute calls 156 s
-    instead of 55, and the disk's write-back slowed the tests after them."""
+    (frames are handed over in the process, except while the call is paused)."""
     workers: list[list[str] | None] = [["Encoder"], ["Talker"]] if request.param == "two-workers" else [None]
-    with own_nats_server("duplexbus-fast-", in_memory=True) as server:
-        async with running_stack(server.url, CONFIG, workers=workers) as s:
-            yield s
+    async with running_stack(nats_url, CONFIG, workers=workers) as s:
+        yield s
 
 
 def worker_pids(stack: Stack) -> list[int]:

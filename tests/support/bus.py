@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -118,11 +117,8 @@ async def bus_client(nats_url: str, name: str) -> AsyncIterator[BusConnection]:
 
 
 @contextlib.contextmanager
-def own_nats_server(prefix: str, in_memory: bool = False) -> Iterator[NatsServer]:
+def own_nats_server(prefix: str) -> Iterator[NatsServer]:
     """A nats-server of the test's own (one it may freeze, kill or restart on its store), in a
-    temporary folder that goes with it. `in_memory`: the folder on tmpfs where there is one
-    (still a file store, as served), for tests that put gigabytes through the stream, which
-    on this machine's disk take minutes and slow the tests after them while it writes back."""
-    where = "/dev/shm" if in_memory and os.path.isdir("/dev/shm") else None
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=where) as store, NatsServer(store) as server:
+    temporary folder that goes with it."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as store, NatsServer(store) as server:
         yield server
