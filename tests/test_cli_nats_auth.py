@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import nacl.utils
 import nkeys
 import pytest
@@ -31,7 +32,7 @@ from shared.bus import subjects
 from shared.bus.connection import BusConnection, _connect_options
 from shared.bus.embedded import NatsServer, free_port
 from shared.runtime.config import ServingConfig, load_config
-from shared.runtime.errors import BusError
+from shared.runtime.errors import BusDenied, BusError
 
 NATS_ENV = ("NATS_URL", "NATS_CREDS", "NATS_CA", "NATS_CERT", "NATS_KEY", "DUPLEXBUS_CONFIG")
 
@@ -273,3 +274,12 @@ def test_duplexbus_nats_wants_the_credentials_it_saves_for_this_user_alone(bare_
     finally:
         assert nats.stop() == 0
     assert not saved.exists()  # the credentials go with the server
+
+
+async def test_a_missing_credentials_file_is_said_before_any_server_is_asked(bare_env: None, tmp_path: Path) -> None:
+    """Before, with no server up, it said "no server answered" and nothing of the file."""
+    missing = tmp_path / "nowhere.creds"
+    config = load_config(nats_url="nats://127.0.0.1:1")
+    config = msgspec.structs.replace(config, nats_creds=str(missing))
+    with pytest.raises(BusDenied, match=r"no credentials file at .*nowhere\.creds"):
+        await BusConnection.open(config, "svc", connect_timeout=2.0)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -210,6 +211,10 @@ class BusConnection:
         meanwhile, and the caller reads it from the stream."""
         denials = Denials()
         opts = _connect_options(config, name)
+        if config.nats_creds and not os.path.isfile(config.nats_creds):
+            # nats-py would read it only once a server answers, and say "no server answered"
+            # while none does: the missing file is the one thing to tell.
+            raise BusDenied("connecting", f"no credentials file at {config.nats_creds} (nats_creds, $NATS_CREDS)")
 
         async def on_error(e: Exception) -> None:
             if "permissions violation" in str(e).lower():
