@@ -52,6 +52,20 @@ def pcm_file(samples: np.ndarray) -> dict[str, str]:
     return {"name": "chunk.pcm", "data": b64_pcm16(samples)}
 
 
+# A --fast upload runs ahead of the server by all that the two sockets buffer, minutes of
+# audio on one machine, and the server takes it at the model's and the bus's pace. A
+# WebSocket ping waits behind all of it: twenty uploads at once on a busy machine had pongs
+# later than the library's 20 s keepalive, and the calls were closed (1011) while the server
+# worked through them. So a fast call judges the server by progress instead: it is alive
+# while it takes what is sent or sends something back.
+STALL_S = 60.0
+PING_S = 20.0  # the keepalive's ping interval, and its timeout where the call is paced
+
+
+class Stalled(Exception):
+    """The server took nothing and sent nothing for STALL_S during a --fast call."""
+
+
 async def stream_call(
     url: str,
     samples: np.ndarray,
@@ -67,9 +81,11 @@ async def stream_call(
     step = max(1, rate * append_ms // 1000)
     outputs: list[dict[str, Any]] = []
     result: dict[str, Any] = {"request_id": rid, "outputs": outputs, "final": None, "append_errors": []}
-    async with websockets.connect(url, max_size=None) as ws:
+    progress = time.monotonic()  # when the server last took an append or sent a message
+    async with websockets.connect(url, max_size=None, ping_interval=PING_S, ping_timeout=None if fast else PING_S) as ws:
 
         async def send() -> None:
+            nonlocal progress
             opening: dict[str, Any] = {"request_id": rid}
             if model:
                 opening["model"] = model
@@ -77,14 +93,29 @@ async def stream_call(
             t0 = time.monotonic()
             for i, start in enumerate(range(0, len(samples), step)):
                 await ws.send(json.dumps({"request_id": rid, "append": [pcm_file(samples[start : start + step])]}))
+                progress = time.monotonic()
                 if not fast:
                     await asyncio.sleep(max(0.0, t0 + (i + 1) * append_ms / 1000 - time.monotonic()))
             await ws.send(json.dumps({"request_id": rid, "end_input": True}))
 
+        async def receive() -> str | bytes:
+            if not fast:
+                return await ws.recv()
+            while True:
+                try:
+                    return await asyncio.wait_for(ws.recv(), timeout=1.0)  # recv may be cancelled safely
+                except TimeoutError:
+                    if time.monotonic() - progress > STALL_S:
+                        raise Stalled(f"the server took nothing and sent nothing for {STALL_S:.0f} s") from None
+
         sender = asyncio.create_task(send())
         try:
-            async for raw in ws:
-                msg = json.loads(raw)
+            while True:
+                try:
+                    msg = json.loads(await receive())
+                except websockets.ConnectionClosedOK:
+                    break
+                progress = time.monotonic()
                 if on_message is not None:
                     on_message(msg)
                 if "output" in msg:
@@ -124,6 +155,9 @@ async def run_call(args: argparse.Namespace) -> int:
         result = await stream_call(args.url, samples, rate, args.append_ms, args.fast, args.model, args.request_id, show)
     except (OSError, websockets.InvalidHandshake, websockets.ConnectionClosedError) as e:
         print(f"error: cannot talk to {args.url}: {e or type(e).__name__} (is duplexbus up running?)", file=sys.stderr)
+        return 1
+    except Stalled as e:
+        print(f"error: {args.url}: {e}", file=sys.stderr)
         return 1
     audio, out_rate = reply_audio(result["outputs"])
     if len(audio):

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import subprocess
 import sys
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import websockets
+import websockets.asyncio.server
 
+from clients import call
 from clients.call import pcm_file, read_wav, reply_audio
 from shared.bus.embedded import free_port
 from shared.sdk.audio import b64_pcm16, encode_wav, pcm16_from_b64
@@ -89,3 +97,58 @@ def test_appends_and_reply_audio_are_base64_pcm16() -> None:
     audio, rate = reply_audio([{"text": "hi"}, {"audio": b64_pcm16(samples), "sample_rate": 24000}])
     assert rate == 24000
     assert np.array_equal(audio, samples)
+
+
+class DeafServer:
+    """A WebSocket server that reads nothing of a call for `deaf_s` (a server working through
+    other uploads: the client's pings wait unanswered), then reads it all and finishes it,
+    or, with `answer` false, never says anything at all."""
+
+    def __init__(self, deaf_s: float, answer: bool = True) -> None:
+        self.deaf_s, self.answer = deaf_s, answer
+        self.appends = 0
+
+    async def handler(self, ws: websockets.asyncio.server.ServerConnection) -> None:
+        ws.transport.pause_reading()
+        await asyncio.sleep(self.deaf_s)
+        ws.transport.resume_reading()
+        if not self.answer:
+            await ws.wait_closed()  # it answers the client's close, and nothing else
+            return
+        async for raw in ws:
+            msg = json.loads(raw)
+            self.appends += "append" in msg
+            if msg.get("end_input"):
+                await ws.send(json.dumps({"request_id": msg["request_id"], "finish": {"reason": "end_input"}}))
+                return
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        port = free_port()
+        async with websockets.asyncio.server.serve(self.handler, "127.0.0.1", port, max_size=None):
+            yield f"ws://127.0.0.1:{port}/generate/ws"
+
+
+async def test_a_fast_call_outlasts_pings_that_wait_behind_its_upload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --fast upload's pings wait behind the upload itself. Before, a server busy for longer
+    than the keepalive (20 s; 0.3 s here) had the call closed with 1011 while it was still
+    taking it; now the call finishes. A paced call keeps its keepalive."""
+    monkeypatch.setattr(call, "PING_S", 0.3)
+    samples = tone(16000, 2.0)
+    server = DeafServer(deaf_s=2.0)
+    async with server.serving() as url:
+        result = await call.stream_call(url, samples, 16000, fast=True)
+        assert result["final"] == {"request_id": result["request_id"], "finish": {"reason": "end_input"}}
+        assert server.appends == 25
+        with pytest.raises(websockets.ConnectionClosedError, match="keepalive ping timeout"):
+            await call.stream_call(url, samples[:1600], 16000, fast=False)
+
+
+async def test_a_fast_call_to_a_server_that_takes_nothing_stops_with_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(call, "STALL_S", 1.0)
+    server = DeafServer(deaf_s=0.0, answer=False)
+    async with server.serving() as url:
+        started = time.monotonic()
+        with pytest.raises(call.Stalled, match="took nothing and sent nothing for 1 s"):
+            await call.stream_call(url, tone(16000, 1.0), 16000, fast=True)
+        assert time.monotonic() - started < 10

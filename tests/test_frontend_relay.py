@@ -79,6 +79,16 @@ def test_a_fin_gives_up_on_missing_outputs_only_after_a_while_without_progress()
     assert r.give_up_due(10.0 + 2 * GRACE_S)
 
 
+def test_a_fin_does_not_give_up_while_a_read_of_the_stream_is_under_way() -> None:
+    """A server busy with twenty uploads answered a read later than GRACE_S: before, the
+    call finished with outputs missing that the read was bringing."""
+    r = OutputRelay()
+    r.fin({"a": 1}, 10.0)
+    assert not r.give_up_due(10.0 + 5 * GRACE_S, reading=True)
+    r.accept("a", 0, ev("a", 0), 10.0 + 5 * GRACE_S)  # the read brought it
+    assert r.complete
+
+
 async def test_a_direct_outbox_writes_json_at_once_and_ignores_a_gone_connection() -> None:
     written: list[bytes] = []
     box = Outbox(written.append)

@@ -264,3 +264,27 @@ async def test_an_unfinished_message_is_not_timed_while_the_socket_is_not_read()
     assert since is not None and time.monotonic() - since < 0.5  # timed from the resume
     assert [w.key for _, w in guard.sweep(time.monotonic() + 1.5)] == ["message_timeout_s"]
     proto.connection_lost(None)
+
+
+async def test_a_pong_behind_an_upload_this_side_has_not_read_is_waited_for() -> None:
+    """A fast upload fills the socket's queue and reading pauses; the client's pong is behind
+    what it sent before it. Before, twenty such uploads were closed with 1011 keepalive ping
+    timeout while the frontend worked through them. Once reading has resumed for a
+    ping_timeout (a client that is gone sends nothing more), the timeout ends it as before."""
+    proto, transport, _ = await _accepted()
+    proto.ping_timeout = 0.2
+    proto.data_received(_client_frames(MAX_INBOUND))  # the app reads nothing: reading pauses
+    assert proto.read_paused
+    proto.keepalive_timeout()
+    assert not transport.aborted and proto.pong_timer is not None  # waited for again
+    proto.pong_timer.cancel()
+    while not proto.queue.empty():
+        await proto.receive()
+    assert not proto.read_paused
+    proto.keepalive_timeout()  # just resumed: what it sent before the pong is still coming
+    assert not transport.aborted and proto.pong_timer is not None
+    proto.pong_timer.cancel()
+    await asyncio.sleep(0.25)
+    proto.keepalive_timeout()  # read all along for a ping_timeout, and no pong: gone
+    assert transport.aborted and proto.close_sent
+    proto.connection_lost(None)

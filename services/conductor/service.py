@@ -53,7 +53,9 @@ class ConductorService:
         self._unsettled = asyncio.Semaphore(MAX_UNSETTLED)
         # A tick late by more than two periods means this process did not run meanwhile: that
         # stretch is not counted as anyone's silence (liveness.ListeningClock).
-        self._live = {b: Liveness(config.liveness_s, max_gap_s=2 * TICK_S) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
+        # A process silent past liveness_s is asked directly, and lost without an answer in ask_s.
+        ask_s = config.liveness_s / 2
+        self._live = {b: Liveness(config.liveness_s, 2 * TICK_S, ask_s) for b in (subjects.KV_WORKERS, subjects.KV_FRONTENDS)}
         self._watching = dict.fromkeys(self._live, False)  # the bucket's watch has delivered what it held: it hears heartbeats
         self._writable = dict.fromkeys(self._live, False)  # the bucket takes heartbeats (a cluster may be electing its leader)
         self._reconnects = 0  # a watch made before the last reconnect may have died with the server
@@ -380,9 +382,39 @@ class ConductorService:
                 now = time.monotonic()
                 live.hear(self.bus.is_connected and self._watching[bucket] and self._writable[bucket], now)
                 for key in live.expired(now):
-                    log.warning("%s %s stopped heartbeating", bucket, key)
-                    await self.events.put((_lost(bucket, key), None))
+                    log.warning("%s %s stopped heartbeating and did not answer when asked", bucket, key)
+                    await self._lose(bucket, key, "expired")
+                for key in live.overdue(now):
+                    self.tasks.spawn(self._ask(bucket, key))
             await self.events.put((core.Tick(time.time()), None))
+
+    async def _ask(self, bucket: str, key: str) -> None:
+        """Ask a process whose heartbeats stopped whether it lives, until it answers, nobody
+        is there to answer, or its time is up (Liveness.expired, on the ticks)."""
+        live = self._live[bucket]
+        while live.asked(key):
+            try:
+                await self.bus.request(subjects.alive(key), b"", live.ask_s)
+            except BusTimeout:
+                continue  # asked again: only the ticks' listening clock convicts a silent one
+            except BusUnavailable as e:
+                if self.bus.is_connected and live.absent(key):  # no one subscribed: its connection is gone
+                    log.warning("%s %s stopped heartbeating and is not connected (%s)", bucket, key, e.message)
+                    await self._lose(bucket, key, "absent")
+                    return
+                await asyncio.sleep(TICK_S)  # this conductor is cut off: it hears nobody, convicts nobody
+            except BusError as e:
+                log.warning("asking %s %s whether it lives: %s", bucket, key, e)
+                await asyncio.sleep(TICK_S)
+            else:
+                if live.answered(key, time.monotonic()):
+                    log.warning("%s %s answered: alive, its heartbeats come late (the bus is slow)", bucket, key)
+                    self.metrics.liveness_asks.labels("answered").inc()
+                return
+
+    async def _lose(self, bucket: str, key: str, outcome: str) -> None:
+        self.metrics.liveness_asks.labels(outcome).inc()
+        await self.events.put((_lost(bucket, key), None))
 
 
 class RoundTrips(Protocol):

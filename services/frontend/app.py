@@ -35,6 +35,7 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
 from shared.runtime.health import readiness
 from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from shared.runtime.process import TimeSlice
 
 log = logging.getLogger(__name__)
 
@@ -327,9 +328,12 @@ class Endpoints:
 
 
 async def _read_all(ws: WebSocket, session: SocketSession) -> None:
-    """Hand each client message to the session until the client leaves (or is not reading)."""
+    """Hand each client message to the session until the client leaves (or is not reading),
+    giving the loop back every few milliseconds of them (TimeSlice)."""
+    turn = TimeSlice()
     try:
         while not session.outbox.overflowed:
+            await turn.due()
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
                 return

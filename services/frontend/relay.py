@@ -114,8 +114,12 @@ class OutputRelay:
             return True
         return self.counts is not None and not self.complete and now - self.fin_at > RECOVER_S
 
-    def give_up_due(self, now: float) -> bool:
+    def give_up_due(self, now: float, reading: bool = False) -> bool:
         """The fin counts outputs that reads of the stream have not brought for GRACE_S (not
         while they wait for the client to have room: `send_timeout_s` judges a client that
-        reads nothing)."""
-        return self.counts is not None and not self.complete and not self.behind and now - self.progress_at > GRACE_S
+        reads nothing; nor while a read is under way: a server busy with twenty uploads took
+        longer than GRACE_S to answer one, and the call was finished with its outputs in the
+        stream)."""
+        if self.counts is None or self.complete or self.behind or reading:
+            return False
+        return now - self.progress_at > GRACE_S

@@ -27,6 +27,7 @@ from services.frontend.relay import OutputRelay
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
 from shared.bus.kv import Bucket
+from shared.bus.life import SignsOfLife
 from shared.bus.readiness import Readiness
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import (
@@ -150,7 +151,8 @@ class FrontendService:
             raise
         self.readiness.conn = self._bus
         hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
-        self.tasks.spawn(self.frontends.heartbeat(self.frontend_id, lambda: hb, self.config.heartbeat_s))
+        self.life = SignsOfLife(self.config, subjects.KV_FRONTENDS, self.frontend_id, lambda: hb, self.config.heartbeat_s)
+        self.tasks.spawn(self.life.run())
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
         self.tasks.spawn(self._probe_bus())
         await self._wait_for_conductor()
@@ -587,7 +589,7 @@ class FrontendService:
         now = time.monotonic()
         limit = self.config.request_timeout_s
         for call in list(self.calls.values()):
-            if call.relay.give_up_due(now):
+            if call.relay.give_up_due(now, reading=call.recovering):
                 await self._finish(call)
                 continue
             if not call.recovering and call.relay.read_due(now, call.sink.has_room()):

@@ -70,6 +70,7 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         self._message_since: float | None = None
         self._seen_delivered = 0
         self._progress_at = time.monotonic()
+        self._unread_at = 0.0  # (loop time) the last moment reading was paused: what the client sent waited here
         self._active_at = time.monotonic()  # the last message, or the last time the app had calls
         self.on_room: Callable[[], None] | None = None  # the app: what waits drained to half
         self.busy: Callable[[], bool] | None = None  # the app: the socket has calls (it is not idle)
@@ -102,8 +103,13 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def keepalive_timeout(self) -> None:
         """A pong can only come once the client has read what was sent before the ping: while
-        output waits for it, whether the client reads at all is `send_timeout_s`'s to judge."""
-        if self.backlog() > 0 and not self.close_sent and not self.transport.is_closing():
+        output waits for it, whether the client reads at all is `send_timeout_s`'s to judge.
+        Nor can it come before this side has read what the client sent before the pong: while
+        reading is paused (the app, or the bus behind it, takes a fast upload at its own pace)
+        and for a ping_timeout after, the client is not taken for dead. A client that is gone
+        sends nothing more, so reading resumes and stays so, and the next timeout ends it."""
+        waited = self.read_paused or self.loop.time() - self._unread_at < (self.ping_timeout or 20.0)
+        if (self.backlog() > 0 or waited) and not self.close_sent and not self.transport.is_closing():
             self.pong_timer = self.loop.call_later(self.ping_timeout or 20.0, self.keepalive_timeout)
             return
         super().keepalive_timeout()
@@ -162,11 +168,14 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         # uvicorn's receive() resumes reading once the queue is empty.
         if not self.read_paused and (self.queue.qsize() >= MAX_INBOUND or self._queued_bytes >= INBOUND_BYTES):
             self.read_paused = True
+            self._unread_at = self.loop.time()
             self.transport.pause_reading()
 
     async def receive(self) -> Any:
         paused = self.read_paused
         message = await super().receive()
+        if paused and not self.read_paused:
+            self._unread_at = self.loop.time()
         if paused and not self.read_paused and self._message_since is not None:
             # The socket was not read (the app was behind, or held input for the bus): an
             # unfinished message's time counts from now, it was not the client's to finish.

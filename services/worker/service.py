@@ -29,6 +29,7 @@ from services.worker.flow import Bounds
 from services.worker.repair import Gaps, InputReads, Next, StartRead, Unit, Why
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg, BusSubscription
+from shared.bus.life import SignsOfLife
 from shared.bus.readiness import Readiness
 from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import ServingConfig
@@ -158,6 +159,7 @@ class WorkerService:
             self.config, f"duplexbus-{self.worker_id}", buckets=[subjects.KV_WORKERS], reconnected=self._on_reconnect
         )
         kv = self.bus.kv[subjects.KV_WORKERS]
+        self.life = SignsOfLife(self.config, subjects.KV_WORKERS, self.worker_id, self._heartbeat, self.config.heartbeat_s)
         await self.bus.subscribe(subjects.assign(self.worker_id), self._on_assign)
         self.readiness.conn = self.bus
         health = None
@@ -172,7 +174,7 @@ class WorkerService:
         async with asyncio.TaskGroup() as tg:
             ready = tg.create_task(self.readiness.run())
             steppers = [tg.create_task(self._step_loop(name, r)) for name, r in self.runners.items()]
-            hb = tg.create_task(kv.heartbeat(self.worker_id, self._heartbeat, self.config.heartbeat_s))
+            hb = tg.create_task(self.life.run())
             repair = tg.create_task(self._repair_gaps())
             ends = tg.create_task(self.ends.run())
             await stop.wait()
@@ -186,6 +188,7 @@ class WorkerService:
                 log.warning("could not announce that this worker stops taking calls: %s", e)
             await self._drain(timeout=self.config.shutdown_drain_s)
             hb.cancel()
+            await asyncio.wait({hb})  # its connection flushed and closed: no heartbeat lands after the delete
             await kv.delete_if_there(self.worker_id)
             repair.cancel()
             ends.cancel()

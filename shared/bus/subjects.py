@@ -128,6 +128,12 @@ def service_ping(service: str) -> str:
     return f"$SRV.PING.{service}"
 
 
+def alive(process_id: str) -> str:
+    """Request/reply: the conductor asks a worker or frontend whose heartbeats stopped coming
+    whether it lives; any answer says it does (conductor/liveness.py)."""
+    return f"ctl.alive.{process_id}"
+
+
 def conductor_status() -> str:
     """Request/reply: the conductor's live calls, workers and placements."""
     return "ctl.conductor.status"

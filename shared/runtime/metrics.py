@@ -87,3 +87,9 @@ class ConductorMetrics(Metrics):
         )
         self.live_calls = Gauge("duplexbus_conductor_live_calls", "Calls admitted and not finished", registry=r)
         self.workers_alive = Gauge("duplexbus_conductor_workers_alive", "Workers heartbeating now", registry=r)
+        self.liveness_asks = Counter(
+            "duplexbus_conductor_liveness_asks",
+            "Workers and frontends asked directly after their heartbeats stopped, by how it ended (answered, absent, expired)",
+            ["outcome"],
+            registry=r,
+        )

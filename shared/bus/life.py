@@ -1,0 +1,44 @@
+"""A process's signs of life, on a NATS connection of their own.
+
+The conductor takes a worker or frontend for alive while its heartbeats come, and asks it
+directly when they stop (conductor/liveness.py). On the connection that carries the
+process's calls, both waited behind its data: twenty uploads sent as fast as they could be
+had a frontend's heartbeat puts take over 3 s, and the conductor's ask reached it 3 s late,
+behind the outputs it was relaying, and its calls were aborted as "frontend lost" while it
+served every one. A connection that carries nothing else waits on nothing but the process's
+own event loop (and, for a heartbeat, the server's disk, which the ask does not touch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from shared.bus import subjects
+from shared.bus.connection import BusConnection, BusMsg
+from shared.runtime.config import ServingConfig
+
+
+class SignsOfLife:
+    """`run()`, until cancelled: `payload()` under `key` in `bucket` every `period` (a
+    heartbeat), and an answer to the conductor's ask on `subjects.alive(key)`, on a
+    connection that nothing else uses (named after the process, `key`)."""
+
+    def __init__(self, config: ServingConfig, bucket: str, key: str, payload: Callable[[], bytes], period: float) -> None:
+        self.config, self.name, self.bucket, self.key = config, f"duplexbus-{key}-life", bucket, key
+        self.payload, self.period = payload, period
+        self.bus: BusConnection | None = None
+
+    async def run(self) -> None:
+        self.bus = await BusConnection.open(self.config, self.name, buckets=[self.bucket], stream=False)
+        try:
+            await self.bus.subscribe(subjects.alive(self.key), _answer)
+            await self.bus.kv[self.bucket].heartbeat(self.key, self.payload, self.period)
+        finally:
+            await self.bus.close()
+
+
+async def _answer(msg: BusMsg) -> None:
+    if msg.reply:
+        with contextlib.suppress(Exception):  # not connected now: the conductor asks again
+            await msg.respond(b"")
