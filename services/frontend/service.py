@@ -40,7 +40,7 @@ from shared.runtime.errors import (
     ProtocolError,
 )
 from shared.runtime.metrics import FrontendMetrics
-from shared.runtime.process import TaskSet, event, every
+from shared.runtime.process import TaskSet, TimeSlice, event, every
 from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,9 @@ class FrontendService:
 
     async def _publish_items(self, cid: str, p: Prepared) -> None:
         self.metrics.appends.inc(len(p.items))
+        turn = TimeSlice()  # a one-shot's thousands of items give the loop back as they go
         for edge, seq, item in p.items:
+            await turn.due()
             if not self._taking.is_set():
                 await self._taking.wait()
             body = wire.encode(wire.InputItem(seq=seq, item=wire.WireItem.from_item(item), sent_ns=time.time_ns()))
