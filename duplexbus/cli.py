@@ -286,10 +286,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return asyncio.run(run_replay(args, _cli_config(args)))
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """An option's default, where its help does not say it already and there is one to say
+    (not "(default: None)" after a help that names where the value comes from)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from duplexbus import __version__
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _Defaults
     p = argparse.ArgumentParser(prog="duplexbus", description=__doc__, formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"duplexbus {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

@@ -112,8 +112,14 @@ def test_every_command_says_what_each_option_does_and_its_default(capsys: pytest
             main([name, "--help"])
         out = capsys.readouterr().out
         assert out.startswith(f"usage: duplexbus {name}")
+        flat = " ".join(out.split())  # help wraps anywhere
         if any(a.default not in (None, False) and a.option_strings for a in sub._actions if a.dest != "help"):
-            assert "(default: " in " ".join(out.split()), name  # help wraps anywhere
+            assert "(default: " in flat, name
+        # A help that names its default is not followed by argparse's "(default: None)" again.
+        assert "(default: None)" not in flat and "(default: False)" not in flat, name
+        said = sub._get_formatter()
+        for a in sub._actions:
+            assert (said._get_help_string(a) or "").count("default:") <= 1, (name, a.option_strings)
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("duplexbus ")
