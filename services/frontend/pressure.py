@@ -26,6 +26,7 @@ class BusPressure:
     fast_s: float = 0.05  # one this short again: take input
     settle_s: float = 1.0  # or one under slow_s this long after input was held
     taking: bool = True
+    holds: int = 0  # times input was held, for the metrics and the log
     held_since: float | None = None
 
     def observed(self, rtt_s: float | None, now: float) -> bool:
@@ -34,6 +35,7 @@ class BusPressure:
         if rtt_s is None or rtt_s > self.slow_s:
             if self.taking:
                 self.taking, self.held_since = False, now
+                self.holds += 1
         elif not self.taking and (
             rtt_s <= self.fast_s or (self.held_since is not None and now - self.held_since >= self.settle_s)
         ):
