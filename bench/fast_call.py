@@ -13,14 +13,18 @@ from the stream"): the peak RSS of the worker processes is sampled every 50 ms.
 
     .venv/bin/python -m bench.fast_call                              # echo and voice_assistant, 3 runs each
     .venv/bin/python -m bench.fast_call --models echo --minutes 1 --runs 1
+    .venv/bin/python -m bench.fast_call --models echo --at-once 20 --runs 1   # twenty uploads together
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import re
 import statistics
 import time
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -51,34 +55,47 @@ def recording(model: str, seconds: float, every_s: float) -> np.ndarray:
     return np.concatenate([audio, silence(seconds - len(audio) / RATE, RATE)]) if len(audio) < seconds * RATE else audio
 
 
-async def one_call(stack: UpStack, audio: np.ndarray) -> tuple[float, dict[str, Any], float]:
-    """(seconds to the finish, the result, peak RSS in MiB of the worker processes, each at its peak)."""
+async def one_run(stack: UpStack, audio: np.ndarray, at_once: int) -> tuple[float, list[dict[str, Any]], float]:
+    """`at_once` calls of `audio` started together: (seconds to the last finish, their results,
+    peak RSS in MiB of the worker processes, each at its peak)."""
     workers = [pid for pid, role in stack.processes().items() if role.startswith("worker")]
     t0 = time.monotonic()
     async with PeakRSS(workers) as rss:
-        result = await stream_call(stack.ws_url(), audio, RATE, fast=True)
-    return time.monotonic() - t0, result, sum(rss.peak.values())
+        results = await asyncio.gather(*(stream_call(stack.ws_url(), audio, RATE, fast=True) for _ in range(at_once)))
+    return time.monotonic() - t0, list(results), sum(rss.peak.values())
 
 
-async def run_model(model: str, seconds: float, runs: int, every_s: float) -> dict[str, Any]:
+def check(model: str, run: int, audio: np.ndarray, result: dict[str, Any]) -> None:
+    final = result["final"] or {}
+    if "finish" not in final:
+        raise SystemExit(f"{model} run {run}: a call did not finish: {final}")
+    if model == "echo":
+        got = b"".join(base64.b64decode(o["audio"]) for o in result["outputs"])
+        assert got == audio.tobytes()[: len(got)] and len(result["outputs"]) == len(audio) // 1280, "echo mismatch"
+
+
+def loop_lag(metrics: str) -> tuple[int, int]:
+    """(timer probes of the frontend's loop, those later than 0.25 s), from its /metrics."""
+    found = dict(re.findall(r'^duplexbus_frontend_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', metrics, re.M))
+    total = int(float(found.get("+Inf", "0")))
+    return total, total - int(float(found.get("0.25", "0")))
+
+
+async def run_model(model: str, seconds: float, runs: int, every_s: float, at_once: int) -> dict[str, Any]:
     audio = recording(model, seconds, every_s)
     times, rss, outputs, pauses = [], [], [], 0
     with await asyncio.to_thread(UpStack, model) as stack:
         idle = sum(PeakRSS([p for p, role in stack.processes().items() if role.startswith("worker")]).idle.values())
+        before = loop_lag(await asyncio.to_thread(scrape, stack.http_url() + "/metrics"))
         for i in range(runs):
-            elapsed, result, peak = await one_call(stack, audio)
-            final = result["final"] or {}
-            if "finish" not in final:
-                raise SystemExit(f"{model} run {i + 1}: the call did not finish: {final}")
-            if model == "echo":
-                import base64
-
-                got = b"".join(base64.b64decode(o["audio"]) for o in result["outputs"])
-                assert got == audio.tobytes()[: len(got)] and len(result["outputs"]) == len(audio) // 1280, "echo mismatch"
+            elapsed, results, peak = await one_run(stack, audio, at_once)
+            for result in results:
+                check(model, i + 1, audio, result)
             times.append(elapsed)
             rss.append(peak)
-            outputs.append(len(result["outputs"]))
-            print(f"{model} run {i + 1}: {elapsed:.1f}s to the finish (RTF {elapsed / seconds:.3f}), {outputs[-1]} outputs")
+            outputs.append(len(results[0]["outputs"]))
+            print(f"{model} run {i + 1}: {at_once} x {elapsed:.1f}s to the last finish (RTF {elapsed / seconds:.3f})")
+        after = loop_lag(await asyncio.to_thread(scrape, stack.http_url() + "/metrics"))
         pauses = sum(w.get("pauses", 0) for w in await worker_stats(stack.nats_url))
     return {
         "model": model,
@@ -88,7 +105,13 @@ async def run_model(model: str, seconds: float, runs: int, every_s: float) -> di
         "rss_idle": idle,
         "rss_peak": max(rss),
         "pauses": pauses,
+        "late": (after[1] - before[1], after[0] - before[0]),
     }
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
 
 
 def main() -> None:
@@ -97,19 +120,23 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--every-s", type=float, default=6.0, help="voice_assistant: one sentence every so many seconds")
+    ap.add_argument("--at-once", type=int, default=1, help="calls sent together in each run (each timed to the last finish)")
     args = ap.parse_args()
     seconds = args.minutes * 60
-    rows = [asyncio.run(run_model(m, seconds, args.runs, args.every_s)) for m in args.models]
+    rows = [asyncio.run(run_model(m, seconds, args.runs, args.every_s, args.at_once)) for m in args.models]
     print(f"machine: {machine()}")
     print(
-        "| model | recording | runs | to the finish, median | real-time factor | outputs | workers' RSS idle -> peak | pauses |"
+        "| model | recording | at once | runs | to the last finish, median | real-time factor | outputs each "
+        "| workers' RSS idle -> peak | pauses | frontend loop later than 0.25 s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         runs = ", ".join(f"{t:.1f}" for t in r["runs"])
+        late, probes = r["late"]
         print(
-            f"| {r['model']} | {args.minutes:g} min | {runs} s | {r['median_s']:.1f} s | {r['median_s'] / seconds:.3f} "
-            f"| {r['outputs']} | {r['rss_idle']:.0f} -> {r['rss_peak']:.0f} MB | {r['pauses']} |"
+            f"| {r['model']} | {args.minutes:g} min | {args.at_once} | {runs} s | {r['median_s']:.1f} s "
+            f"| {r['median_s'] / seconds:.3f} | {r['outputs']} | {r['rss_idle']:.0f} -> {r['rss_peak']:.0f} MB "
+            f"| {r['pauses']} | {late} of {probes} probes |"
         )
 
 

@@ -76,6 +76,7 @@ def test_metrics_health_and_call_lines(up: UpStack) -> None:
     assert metric(text, "duplexbus_frontend_appends_total") == 4
     assert metric(text, "duplexbus_frontend_reply_lag_seconds_count") == 4
     assert metric(text, "duplexbus_frontend_live_calls") == 0
+    assert metric(text, "duplexbus_frontend_loop_lag_seconds_count") > 0  # the loop's timer, sampled all along
     status, text = get(conductor)
     assert status == 200
     assert metric(text, "duplexbus_conductor_placements_total") == 2  # echo's two partitions

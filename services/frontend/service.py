@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # load does not send in JetStream's 5 s is asked for again (the stream drops the repeat) for
 # this long before the call fails with 503 (once: twenty 3-minute uploads at once on 2 cores).
 STORE_PATIENCE_S = 30.0
+LOOP_PROBE_S = 0.1  # the loop's timer lag is measured this often
 PROBE_EVERY_S = 0.25  # the bus connection's round trip measured this often (pressure.py)
 PROBE_TIMEOUT_S = 10.0
 
@@ -155,6 +156,7 @@ class FrontendService:
         self.tasks.spawn(self.life.run())
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
         self.tasks.spawn(self._probe_bus())
+        self.tasks.spawn(self._time_loop())
         await self._wait_for_conductor()
 
     async def _wait_for_conductor(self) -> None:
@@ -366,6 +368,15 @@ class FrontendService:
                 probe.cancel()
             if self.pressure.taking:
                 await asyncio.sleep(PROBE_EVERY_S)
+
+    async def _time_loop(self) -> None:
+        """How late the event loop runs a timer (`duplexbus_frontend_loop_lag_seconds`): work
+        that holds the loop (TimeSlice) shows here before calls fail for it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(LOOP_PROBE_S)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - t0 - LOOP_PROBE_S))
 
     def _take_input(self, taking: bool) -> None:
         if taking == self._taking.is_set():

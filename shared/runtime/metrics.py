@@ -35,6 +35,12 @@ class FrontendMetrics(Metrics):
             "duplexbus_frontend_admission_refusals", "Openings refused before a call started, by status", ["status"], registry=r
         )
         self.appends = Counter("duplexbus_frontend_appends", "Client stream items published", registry=r)
+        self.loop_lag = Histogram(
+            "duplexbus_frontend_loop_lag_seconds",
+            "How late the event loop ran a 0.1 s timer: work that holds the loop delays every call",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.input_holds = Counter(
             "duplexbus_frontend_input_holds",
             "Times client input was held because the bus connection was backed up (services/frontend/pressure.py)",
