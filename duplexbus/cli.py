@@ -393,7 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("file", help="a WAV file (PCM16; other rates and stereo are converted)")
     ca.add_argument("--url", default="ws://127.0.0.1:8000/generate/ws", help="the frontend's socket")
     ca.add_argument("--model", help="model to call (default: the one the frontend serves)")
-    ca.add_argument("--fast", action="store_true", help="send as fast as possible, not in real time")
+    ca.add_argument(
+        "--fast",
+        action="store_true",
+        help="send as fast as the server takes it, not in real time (the server is judged by progress: "
+        "nothing taken and nothing sent back for 60 s ends the call with an error)",
+    )
     ca.add_argument("--append-ms", type=int, default=80, help="audio per append")
     ca.add_argument("--out", default="reply.wav", help="where to write the reply audio")
     ca.add_argument("--request-id", help="the call's request_id (default: a random one)")

@@ -228,7 +228,6 @@ async def test_a_worker_whose_heartbeats_come_late_is_asked_and_kept_and_lost_on
         await asyncio.sleep(4 * config.liveness_s)
         assert worker.worker_id in conductor.core.workers, "a worker that answers was taken for lost"
         assert asks(conductor, "answered") >= 2  # asked again each liveness_s it stays silent
-        await stop_answering(worker)
         assert config.nats_url
         mute = await nats.connect(config.nats_url)
         try:
@@ -237,6 +236,8 @@ async def test_a_worker_whose_heartbeats_come_late_is_asked_and_kept_and_lost_on
                 pass
 
             await mute.subscribe(subjects.alive(worker.worker_id), cb=ignore)
+            await mute.flush()  # subscribed before the worker leaves: an ask never finds no one
+            await stop_answering(worker)
             await until_lost(conductor, worker, config.liveness_s + config.liveness_s / 2 + 1.0)
             assert asks(conductor, "expired") == 1 and asks(conductor, "absent") == 0
         finally:

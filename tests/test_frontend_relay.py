@@ -126,28 +126,3 @@ async def test_a_closed_outbox_gives_what_waits_then_none() -> None:
     assert await asyncio.wait_for(waiter, 1) is None
     box.send({"late": True})
     assert len(box) == 0
-
-
-async def test_stopping_a_socket_writer_does_not_swallow_the_callers_own_cancellation() -> None:
-    from services.frontend.tasks import stop as _stop
-
-    async def slow_to_stop() -> None:
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await asyncio.sleep(0.2)  # takes a while to stop
-
-    writer = asyncio.create_task(slow_to_stop())
-    await asyncio.sleep(0)
-    after: list[str] = []
-
-    async def handler() -> None:
-        await _stop(writer)
-        after.append("went on")  # would run if _stop swallowed the handler's cancellation
-
-    h = asyncio.create_task(handler())
-    await asyncio.sleep(0.05)  # the handler waits for its writer to stop
-    h.cancel()
-    results = await asyncio.gather(h, return_exceptions=True)
-    assert isinstance(results[0], asyncio.CancelledError) and after == []
-    await asyncio.gather(writer, return_exceptions=True)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from shared.runtime.process import run_until_stopped
+from shared.runtime.process import TaskSet, cancel_and_wait, run_until_stopped
 from tests.support import REPO
 
 
@@ -102,3 +102,49 @@ def test_a_hard_stop_ends_a_process_whose_loop_is_stuck() -> None:
         """)
     assert code == 1 and "the test's process still stopping 1 s after the signal: exiting" in err, err
     assert took < 10
+
+
+async def test_cancelling_tasks_does_not_swallow_the_callers_own_cancellation() -> None:
+    async def slow_tocancel_and_wait() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.2)  # takes a while to stop
+
+    writer = asyncio.create_task(slow_tocancel_and_wait())
+    await asyncio.sleep(0)
+    after: list[str] = []
+
+    async def handler() -> None:
+        await cancel_and_wait(writer)
+        after.append("went on")  # would run if cancel_and_wait swallowed the handler's cancellation
+
+    h = asyncio.create_task(handler())
+    await asyncio.sleep(0.05)  # the handler waits for its writer to stop
+    h.cancel()
+    results = await asyncio.gather(h, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError) and after == []
+    await asyncio.gather(writer, return_exceptions=True)
+
+
+async def test_a_task_that_swallows_its_cancel_is_cancelled_again_until_it_ends() -> None:
+    """nats-py swallows a CancelledError that comes while a publish flushes; the task then goes
+    on as if never cancelled. Before, a conductor's stop waited for ever on its janitor so."""
+    cancels = 0
+
+    async def janitor() -> None:
+        nonlocal cancels
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:  # as nats-py's Client._flush_pending does
+                cancels += 1
+                if cancels == 2:
+                    raise
+
+    tasks = TaskSet()
+    t = tasks.spawn(janitor())
+    await asyncio.sleep(0)
+    started = time.monotonic()
+    await asyncio.wait_for(tasks.close(), 5)
+    assert t.cancelled() and cancels == 2 and time.monotonic() - started < 2

@@ -26,7 +26,7 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError, BusTimeout, BusUnavailable, DuplexError
 from shared.runtime.health import HealthServer
 from shared.runtime.metrics import ConductorMetrics
-from shared.runtime.process import Outage, TaskSet
+from shared.runtime.process import Outage, TaskSet, cancel_and_wait
 from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,7 @@ class ConductorService:
                     tg.create_task(self.readiness.run()),
                 ]
                 await stop.wait()
-                for t in tasks:
-                    t.cancel()
+                await cancel_and_wait(*tasks)
         finally:
             await announced.stop()
             if health is not None:

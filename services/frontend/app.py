@@ -29,13 +29,12 @@ from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.realtime.endpoint import RealtimeHub
 from services.frontend.service import Call, FrontendService
 from services.frontend.session import SocketSession, error_body
-from services.frontend.tasks import stop
 from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
 from shared.runtime.health import readiness
 from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from shared.runtime.process import TimeSlice
+from shared.runtime.process import TimeSlice, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +253,7 @@ class Endpoints:
         finally:
             await session.close()
             if writer is not None:
-                await stop(writer)
+                await cancel_and_wait(writer)
             if outbox.overflowed:
                 await _close_quietly(ws, 1008, "client not reading")
 
@@ -312,7 +311,7 @@ class Endpoints:
             # reports to the guard.
             yield {DRAIN: self.service.drain, GUARD: self.guard}
         finally:
-            await stop(sweeper)
+            await cancel_and_wait(sweeper)
             await self.hub.close()
             await self.service.close()
 

@@ -36,7 +36,7 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError, ConfigError, DuplexError, Overloaded, WorkerFailed
 from shared.runtime.health import HealthServer
 from shared.runtime.metrics import WorkerMetrics
-from shared.runtime.process import TaskSet
+from shared.runtime.process import TaskSet, cancel_and_wait
 from shared.runtime.stats import Reservoir
 from shared.runtime.version import VERSION
 from shared.sdk.model import StepInput
@@ -187,14 +187,9 @@ class WorkerService:
             except BusError as e:  # (a cluster electing a leader, say) the drain goes on all the same
                 log.warning("could not announce that this worker stops taking calls: %s", e)
             await self._drain(timeout=self.config.shutdown_drain_s)
-            hb.cancel()
-            await asyncio.wait({hb})  # its connection flushed and closed: no heartbeat lands after the delete
+            await cancel_and_wait(hb)  # its connection flushed and closed: no heartbeat lands after the delete
             await kv.delete_if_there(self.worker_id)
-            repair.cancel()
-            ends.cancel()
-            ready.cancel()
-            for t in steppers:
-                t.cancel()
+            await cancel_and_wait(repair, ends, ready, *steppers)
         await announced.stop()
         if health is not None:
             await health.close()

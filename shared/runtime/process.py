@@ -197,6 +197,30 @@ def tune_gc() -> None:
     gc.set_threshold(10_000, 20, 50)
 
 
+RECANCEL_S = 0.5  # a task still running this long after its cancel is cancelled again
+
+
+async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel tasks of ours and wait until each has ended. The caller's own cancellation goes
+    on up (it is not taken for one of theirs), and a task that failed is logged.
+
+    nats-py swallows a CancelledError that comes while a publish flushes
+    (`Client._flush_pending`): the task goes on as if it had never been cancelled, and a
+    conductor's stop waited for ever on its janitor so. One still running RECANCEL_S after
+    its cancel is cancelled again, until it ends."""
+    pending = {t for t in tasks if not t.done()}
+    for t in pending:
+        t.cancel()
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+        for t in pending:
+            log.warning("task %s went on after it was cancelled: cancelling it again", t.get_name())
+            t.cancel()
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            log.error("a task failed as it was stopped", exc_info=t.exception())
+
+
 class TaskSet:
     """Owns the tasks a service starts on the side (unsubscribing, catch-up reads, assignments):
     each is referenced until it ends (asyncio keeps only weak references), and `close()`
@@ -215,7 +239,4 @@ class TaskSet:
         return len(self._tasks)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)

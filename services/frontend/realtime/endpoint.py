@@ -38,10 +38,10 @@ from services.frontend.realtime.session import (
 )
 from services.frontend.realtime.session import EndInput as EndInputAction
 from services.frontend.service import Call, FrontendService
-from services.frontend.tasks import stop
 from services.frontend.websocket import SEND_NOW
 from shared.bus import subjects, wire
 from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded, Overloaded
+from shared.runtime.process import cancel_and_wait
 from shared.sdk.model import ClientFile, ClientInput, Model
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class Outbox:
             try:
                 if not self.box.overflowed:
                     await asyncio.wait({self.writer}, timeout=CLOSE_FLUSH_S)
-                await stop(self.writer)  # a send stuck on a client that does not read is cut short
+                await cancel_and_wait(self.writer)  # a send stuck on a client that does not read is cut short
             finally:
                 self.writer.cancel()  # cancelled with the caller: it must not outlive the socket
         if self.box.overflowed:
@@ -288,7 +288,7 @@ class LiveSession:
                 await asyncio.wait_for(self.log.drain(), LOG_DRAIN_S)
             except TimeoutError:  # a resume could not have read them all
                 log.warning("realtime session %s: its last events were not all stored within %g s", self.rid, LOG_DRAIN_S)
-        await stop(*self.tasks)
+        await cancel_and_wait(*self.tasks)
 
     async def replay(self, outbox: Outbox, last_seen: int) -> None:
         """Send what the client missed (events after `last_seen`) from the stream, then attach:
@@ -332,7 +332,7 @@ class RealtimeHub:
     async def close(self) -> None:
         for s in list(self.detached.values()):
             await s.end("the frontend is stopping")
-        await stop(*self._tasks)
+        await cancel_and_wait(*self._tasks)
 
     def _session(self, name: str, model: Model) -> LiveSession:
         mapping = model.realtime_mapping()
@@ -481,7 +481,7 @@ class RealtimeHub:
                 await self._left(session, outbox, code)
             finally:
                 # Last: where the handler itself is being cancelled, `stop` raises it on.
-                await stop(*pending)
+                await cancel_and_wait(*pending)
 
     async def _left(self, session: LiveSession, outbox: Outbox, code: int) -> None:
         if session.outbox is not outbox and session.outbox is not None:
