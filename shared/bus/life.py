@@ -1,12 +1,12 @@
 """A process's signs of life, on a NATS connection of their own.
 
 The conductor takes a worker or frontend for alive while its heartbeats come, and asks it
-directly when they stop (conductor/liveness.py). On the connection that carries the
-process's calls, both waited behind its data: twenty uploads sent as fast as they could be
-had a frontend's heartbeat puts take over 3 s, and the conductor's ask reached it 3 s late,
-behind the outputs it was relaying, and its calls were aborted as "frontend lost" while it
-served every one. A connection that carries nothing else waits on nothing but the process's
-own event loop (and, for a heartbeat, the server's disk, which the ask does not touch).
+directly when they stop (conductor/liveness.py). One connection keeps its messages in order,
+so on the connection that carries the process's calls a heartbeat put and an answer wait
+behind all the input or output published before them: twenty uploads sent as fast as they
+could be had a frontend's heartbeat puts take over 3 s. A connection that carries nothing
+else waits on nothing but the process's own event loop (and, for a heartbeat, the server's
+disk, which the ask does not touch).
 """
 
 from __future__ import annotations
