@@ -41,12 +41,15 @@ async def _stream(stack: Stack) -> tuple[int, int]:
 
 
 async def _finished_calls_removed(stack: Stack, long: EchoCall) -> None:
-    """Until the stream holds no finished call, the long call streaming meanwhile."""
+    """Until the stream holds no finished call, the long call streaming meanwhile: slowly, two
+    frames a second. It must stay under hard_max_bytes until its last frames: at 12.5 a second
+    it had sent most of its 150 by the second group on a slow run, and that group, refused
+    until it ended, failed."""
     deadline = time.monotonic() + retention.GRACE_S + 15
     while (await _stream(stack))[1] and time.monotonic() < deadline:
-        await stream_for([long], 0.5)
+        await stream_for([long], 0.5, frames_per_s=2)
     assert (await _stream(stack))[1] == 0, stack.logs()
-    await stream_for([long], 1.5)  # the janitor's next round has seen it
+    await stream_for([long], 1.5, frames_per_s=2)  # the janitor's next round has seen it
 
 
 def _stream_full(final: dict[str, Any]) -> bool:
