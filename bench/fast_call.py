@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import re
 import statistics
 import time
 import urllib.request
 from typing import Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.machine import machine
 from clients.call import stream_call
@@ -79,9 +79,15 @@ def finished(model: str, run: int, audio: np.ndarray, result: dict[str, Any]) ->
 
 def loop_lag(metrics: str) -> tuple[int, int, int]:
     """(timer probes of the frontend's loop, those later than 0.25 s, than 1 s), from its /metrics."""
-    found = dict(re.findall(r'^duplexbus_frontend_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', metrics, re.M))
-    total = int(float(found.get("+Inf", "0")))
-    return total, total - int(float(found.get("0.25", "0"))), total - int(float(found.get("1.0", "0")))
+    buckets = {
+        s.labels["le"]: int(s.value)
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "duplexbus_frontend_loop_lag_seconds"
+        for s in family.samples
+        if s.name.endswith("_bucket")
+    }
+    total = buckets.get("+Inf", 0)
+    return total, total - buckets.get("0.25", 0), total - buckets.get("1.0", 0)
 
 
 async def run_model(model: str, seconds: float, runs: int, every_s: float, at_once: int) -> dict[str, Any]:

@@ -94,12 +94,10 @@ class TimeSlice:
     def __init__(self, slice_s: float = 0.005) -> None:
         self.slice_s = slice_s
         self._since = time.monotonic()
-        self.yields = 0
 
     async def due(self) -> None:
         now = time.monotonic()
         if now - self._since >= self.slice_s:
-            self.yields += 1
             await asyncio.sleep(0)
             self._since = time.monotonic()
 
