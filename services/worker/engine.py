@@ -21,7 +21,10 @@ from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partit
 from shared.sdk.topology import PartitionTopology
 
 
-class CallState(enum.Enum):
+class EngineCallState(enum.Enum):
+    """Where one call stands in one partition's engine (the conductor's `CallState` is the
+    whole call's, across partitions)."""
+
     RUNNING = "running"  # inputs still open
     DRAINING = "draining"  # inputs ended; the partition still has work (wants_step)
     FINISHED = "finished"
@@ -29,10 +32,10 @@ class CallState(enum.Enum):
 
 
 _TRANSITIONS = {
-    CallState.RUNNING: {CallState.DRAINING, CallState.FINISHED, CallState.FAILED},
-    CallState.DRAINING: {CallState.FINISHED, CallState.FAILED},
-    CallState.FINISHED: set(),
-    CallState.FAILED: set(),
+    EngineCallState.RUNNING: {EngineCallState.DRAINING, EngineCallState.FINISHED, EngineCallState.FAILED},
+    EngineCallState.DRAINING: {EngineCallState.FINISHED, EngineCallState.FAILED},
+    EngineCallState.FINISHED: set(),
+    EngineCallState.FAILED: set(),
 }
 
 
@@ -80,14 +83,14 @@ class _Call:
     cid: str
     buffers: dict[str, StreamBuffer]
     out_edges: dict[str, int]  # edge -> items sent so far
-    state: CallState = CallState.RUNNING
+    state: EngineCallState = EngineCallState.RUNNING
     outputs: int = 0
     last_step: int = -1  # step number this call was last served (fairness: least recent first)
     last_time: float = -math.inf  # when it was last served (paces steps without input)
     in_flight: bool = False  # part of the batch being stepped now
     held: int = 0  # bytes its stream buffers hold (the sum of their held_bytes)
 
-    def move(self, to: CallState) -> None:
+    def move(self, to: EngineCallState) -> None:
         self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
 
     @property
@@ -172,7 +175,7 @@ class Engine:
     def wants_item(self, cid: str, edge: str, seq: int) -> bool:
         """A push of it would be held: the call is here, running, and has not had that item."""
         call = self._calls.get(cid)
-        buf = None if call is None or call.state in (CallState.FINISHED, CallState.FAILED) else call.buffers.get(edge)
+        buf = None if call is None or call.state in (EngineCallState.FINISHED, EngineCallState.FAILED) else call.buffers.get(edge)
         return buf is not None and buf.is_new(seq)
 
     def has_chunk(self, cid: str) -> bool:
@@ -182,7 +185,7 @@ class Engine:
 
     def push(self, cid: str, edge: str, seq: int, item: Item) -> list[Action]:
         call = self._calls.get(cid)
-        if call is None or call.state in (CallState.FINISHED, CallState.FAILED):
+        if call is None or call.state in (EngineCallState.FINISHED, EngineCallState.FAILED):
             return []
         buf = call.buffers.get(edge)
         if buf is None:
@@ -199,7 +202,7 @@ class Engine:
 
     def end(self, cid: str, edge: str, total: int) -> list[Action]:
         call = self._calls.get(cid)
-        if call is None or call.state in (CallState.FINISHED, CallState.FAILED):
+        if call is None or call.state in (EngineCallState.FINISHED, EngineCallState.FAILED):
             return []
         buf = call.buffers.get(edge)
         if buf is None:
@@ -229,7 +232,7 @@ class Engine:
         return [] if call is None else self._fail(call, error)
 
     def _fail(self, call: _Call, error: DuplexError) -> list[Action]:
-        call.move(CallState.FAILED)
+        call.move(EngineCallState.FAILED)
         del self._calls[call.cid]
         self._release(call)
         if call.in_flight:  # its step may be running in a thread now: drop its state after it
@@ -243,7 +246,7 @@ class Engine:
         return not call.in_flight and any(b.has_chunk() for b in call.buffers.values())
 
     def _idle_wants(self, call: _Call) -> bool:
-        return not call.in_flight and (call.state is CallState.DRAINING or self.partition.wants_step(call.cid))
+        return not call.in_flight and (call.state is EngineCallState.DRAINING or self.partition.wants_step(call.cid))
 
     def _wants(self, call: _Call, now: float) -> bool:
         if self._has_input(call):
@@ -318,7 +321,7 @@ class Engine:
             del self.stats.batch_sizes[:5_000]
         for e in emissions:
             call = self._calls.get(e.cid)
-            if call is None or call.state is CallState.FAILED:
+            if call is None or call.state is EngineCallState.FAILED:
                 continue  # dropped while stepping
             if isinstance(e, Output):
                 actions.append(PublishOutput(e.cid, call.outputs, e.data))
@@ -340,14 +343,14 @@ class Engine:
             if not call.inputs_ended:
                 continue
             if self.partition.wants_step(call.cid):
-                if call.state is CallState.RUNNING:
-                    call.move(CallState.DRAINING)
+                if call.state is EngineCallState.RUNNING:
+                    call.move(EngineCallState.DRAINING)
                 continue
             actions.extend(self._finish(call))
         return actions
 
     def _finish(self, call: _Call) -> list[Action]:
-        call.move(CallState.FINISHED)
+        call.move(EngineCallState.FINISHED)
         del self._calls[call.cid]
         self._release(call)
         usage = self.partition.close_call(call.cid)
