@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import secrets
@@ -76,13 +77,20 @@ class NatsServer:
         this user can read (where a secret goes: a command line is public)."""
         self.store_dir = Path(store_dir)
         self.host = host
-        self.port = port or free_port(host)
-        self.monitor_port = monitor_port or free_port(host)
+        # 0: the server picks a free port as it listens (`-p -1`), and its ports file says which.
+        # A port picked here and handed over would be free only until another process takes it:
+        # then this server dies on its bind while its monitor already answers, and a client
+        # meant for it reaches the other one (a suite's server frozen by a test, say, while the
+        # client is answered by another's). Once started, the ports are the ones it listens on,
+        # so a restart listens on them again.
+        self.port = port or 0
+        self.monitor_port = monitor_port or 0
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.credentials = credentials
         self.args = list(args)
         self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
+        self._binary = "nats-server"
 
     @property
     def url(self) -> str:
@@ -106,19 +114,23 @@ class NatsServer:
         """Start it on its store, which it then holds (StoreInUse where another one does).
         It dies with the process that started it, should that one be killed."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._binary = find_nats_server()
         cmd = [
-            find_nats_server(),
+            self._binary,
             "-js",
             "-a", self.host,
-            "-p", str(self.port),
-            "-m", str(self.monitor_port),
+            "-p", str(self.port or -1),
+            "-m", str(self.monitor_port or -1),
             "-sd", str(self.store_dir),
             "-l", str(self.log_file),
+            "--ports_file_dir", str(self.store_dir),
             *self.args,
         ]  # fmt: skip
         if self.credentials is not None or self.config:
             cmd += ["-c", str(self._write_config())]
         lock = self._lock_store()
+        for stale in glob.glob(str(self.store_dir / "*.ports")):  # an earlier server's, on this store
+            os.unlink(stale)
         try:
             # Own process group: Ctrl-C in a terminal goes to our supervisor, which stops it last.
             # The lock's descriptor goes with it: the store stays held while this server lives.
@@ -155,9 +167,15 @@ class NatsServer:
         return path
 
     def wait_ready(self, timeout: float, in_cluster: bool = False) -> None:
-        """Until /healthz passes: JetStream on; `in_cluster`, also the cluster's JetStream leader
-        known and the node current with it (a stream made before would be refused)."""
+        """Until this process listens on every port (its ports file) and /healthz passes:
+        JetStream on; `in_cluster`, also the cluster's JetStream leader known and the node
+        current with it (a stream made before would be refused).
+
+        The monitor answers before the client port is opened, so /healthz alone would pass for
+        a server that then dies on a port another process holds; the ports file is written only
+        once all its listeners are open."""
         deadline = time.monotonic() + timeout
+        self._read_ports(deadline)
         health = "/healthz" if in_cluster else "/healthz?js-enabled-only=true"
         url = f"http://{self.host}:{self.monitor_port}{health}"
         while time.monotonic() < deadline:
@@ -169,6 +187,22 @@ class NatsServer:
                         return
             time.sleep(0.05)
         raise TimeoutError(f"nats-server not ready within {timeout}s; see {self.log_file}")
+
+    def _read_ports(self, deadline: float) -> None:
+        """The client and monitor ports from the ports file of this process (`--ports_file_dir`)."""
+        if self.proc is None:
+            raise RuntimeError("nats-server not started")
+        path = self.store_dir / f"{Path(self._binary).name}_{self.proc.pid}.ports"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
+            with contextlib.suppress(OSError, ValueError, KeyError, IndexError):  # not there, or half written
+                ports = json.loads(path.read_text())
+                self.port = _port_of(ports["nats"][0])
+                self.monitor_port = _port_of(ports["monitoring"][0])
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"nats-server not listening within the time given; see {self.log_file}")
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -194,6 +228,11 @@ class NatsServer:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _port_of(url: str) -> int:
+    """The port of a URL in a ports file (`nats://127.0.0.1:4222`)."""
+    return int(url.rsplit(":", 1)[1])
 
 
 def _authorization(user: str, password: str, indent: str = "") -> str:
