@@ -14,6 +14,8 @@
 #                                 the image installs offline.
 #   scripts/docker.sh build       the duplexbus image (cached layers), via compose.
 #   scripts/docker.sh prepare     all of the above, in that order.
+#   scripts/docker.sh nats        the engine and the NATS image alone (the tests that run
+#                                 NATS in a container and the services on the host).
 #
 # Exit 3 means "no engine here": callers (the compose test) skip with the line printed.
 set -euo pipefail
@@ -114,10 +116,20 @@ images() {
   image "$HAPROXY_IMAGE" haproxy_standin
 }
 
+# What the wheels are made from: the project's dependencies and its models extra, and the
+# function below. Not the whole pyproject.toml nor this script: a new test tool in the dev
+# extra, or a new step here, would otherwise rebuild every wheel (minutes, torch among them).
+wheelhouse_key() {
+  {
+    "$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(p["dependencies"], p["optional-dependencies"]["models"])'
+    declare -f wheelhouse
+  } | sha256sum | cut -c1-16
+}
+
 wheelhouse() {
   local stamp want
   stamp=wheelhouse/.stamp
-  want=$(cat pyproject.toml scripts/docker.sh | sha256sum | cut -c1-16)
+  want=$(wheelhouse_key)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
@@ -156,8 +168,9 @@ case "${1:-prepare}" in
   wheelhouse) wheelhouse ;;
   build) engine && build ;;
   prepare) engine && images && wheelhouse && build ;;
+  nats) engine && image "$NATS_IMAGE" nats_standin ;;
   *)
-    echo "usage: scripts/docker.sh engine|images|wheelhouse|build|prepare" >&2
+    echo "usage: scripts/docker.sh engine|images|wheelhouse|build|prepare|nats" >&2
     exit 2
     ;;
 esac
