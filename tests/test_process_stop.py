@@ -5,10 +5,12 @@ end even then ends the process (as `exit_after` does, the frontend's hard stop).
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -148,3 +150,42 @@ async def test_a_task_that_swallows_its_cancel_is_cancelled_again_until_it_ends(
     started = time.monotonic()
     await asyncio.wait_for(tasks.close(), 5)
     assert t.cancelled() and cancels == 2 and time.monotonic() - started < 2
+
+
+async def _until(done: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_side_task_that_fails_is_logged_once_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    async def failing_side_task() -> None:
+        await asyncio.sleep(0)
+        raise RuntimeError("a bug in a side task")
+
+    tasks = TaskSet()
+    tasks.spawn(failing_side_task())
+    await _until(lambda: len(tasks) == 0)
+    await tasks.close()
+    failed = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(failed) == 1, [r.getMessage() for r in failed]
+    # by the set, when it ends (not by asyncio's "never retrieved" when collected, if ever)
+    assert failed[0].name == "shared.runtime.process" and "failing_side_task" in failed[0].getMessage()
+    assert failed[0].exc_info is not None and "a bug in a side task" in str(failed[0].exc_info[1])
+
+
+async def test_a_cancelled_or_awaited_side_task_is_not_logged_as_failed(caplog: pytest.LogCaptureFixture) -> None:
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    async def failing_write() -> None:
+        raise RuntimeError("reported by whoever awaits it")
+
+    tasks = TaskSet()
+    tasks.spawn(forever())
+    write = tasks.spawn(failing_write(), awaited=True)
+    results = await asyncio.gather(write, return_exceptions=True)
+    assert isinstance(results[0], RuntimeError)
+    await tasks.close()  # cancels forever(): a stop, not a failure
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

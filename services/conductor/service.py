@@ -26,7 +26,8 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError, BusTimeout, BusUnavailable, DuplexError
 from shared.runtime.health import HealthServer
 from shared.runtime.metrics import ConductorMetrics
-from shared.runtime.process import Outage, TaskSet, cancel_and_wait
+from shared.runtime.process import TaskSet, cancel_and_wait
+from shared.runtime.retry import Outage
 from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -209,16 +210,16 @@ class ConductorService:
             if isinstance(a, core.SendAssign):
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
-                writes.append(self.tasks.spawn(self._fin(a)))
+                writes.append(self.tasks.spawn(self._fin(a), awaited=True))
                 if a.request_id:  # the frontend frees it too, when it is alive to see the fin
                     rids = self.kv[subjects.KV_REQUEST_IDS]
                     self.tasks.spawn(rids.release(a.request_id, a.cid.encode(), a.request_id_revision))
             elif isinstance(a, core.PublishAbort):
-                writes.append(self.tasks.spawn(self.bus.store(subjects.abort(a.cid), wire.encode(a.msg))))
+                writes.append(self.tasks.spawn(self.bus.store(subjects.abort(a.cid), wire.encode(a.msg)), awaited=True))
             elif isinstance(a, core.SaveRecord):
-                writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].put(a.record.cid, wire.encode(a.record))))
+                writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].put(a.record.cid, wire.encode(a.record)), awaited=True))
             elif isinstance(a, core.DeleteRecord):
-                writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].delete_if_there(a.cid)))
+                writes.append(self.tasks.spawn(self.kv[subjects.KV_CALLS].delete_if_there(a.cid), awaited=True))
         return writes
 
     async def _fin(self, a: core.PublishFin) -> None:

@@ -102,34 +102,6 @@ class TimeSlice:
             self._since = time.monotonic()
 
 
-class Outage:
-    """A failure that repeats while its cause lasts (a round trip each period while NATS is
-    away) is logged when it starts, every `remind_s` while it lasts, and when it ends, not at
-    each try: a line a second that says the same thing buries what else happens meanwhile."""
-
-    def __init__(self, what: str, logger: logging.Logger = log, remind_s: float = 60.0) -> None:
-        self.what = what
-        self._log = logger
-        self.remind_s = remind_s
-        self.since: float | None = None  # when the outage began (None: none now)
-        self.failures = 0  # failed tries in it
-        self._logged = 0.0
-
-    def failed(self, error: BaseException, now: float) -> None:
-        self.failures += 1
-        if self.since is None:
-            self.since = self._logged = now
-            self._log.warning("%s failed: %s; trying again", self.what, error)
-        elif now - self._logged >= self.remind_s:
-            self._logged = now
-            self._log.warning("%s still fails after %.0f s (%d tries): %s", self.what, now - self.since, self.failures, error)
-
-    def ok(self, now: float) -> None:
-        if self.since is not None:
-            self._log.warning("%s works again after %.1f s (%d failed tries)", self.what, now - self.since, self.failures)
-        self.since, self.failures = None, 0
-
-
 STOP_GRACE_S = 5.0  # past a service's own drain: how long a stop may take before it is cut short
 
 
@@ -198,9 +170,10 @@ def tune_gc() -> None:
 RECANCEL_S = 0.5  # a task still running this long after its cancel is cancelled again
 
 
-async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:
+async def cancel_and_wait(*tasks: asyncio.Task[Any], report: bool = True) -> None:
     """Cancel tasks of ours and wait until each has ended. The caller's own cancellation goes
-    on up (it is not taken for one of theirs), and a task that failed is logged.
+    on up (it is not taken for one of theirs), and a task that failed is logged (unless not
+    `report`: the tasks report their own failures).
 
     nats-py swallows a CancelledError that comes while a publish flushes
     (`Client._flush_pending`): the task goes on as if it had never been cancelled, and a
@@ -214,7 +187,7 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:
         for t in pending:
             log.warning("task %s went on after it was cancelled: cancelling it again", t.get_name())
             t.cancel()
-    for t in tasks:
+    for t in tasks if report else ():
         if not t.cancelled() and t.exception() is not None:
             log.error("a task failed as it was stopped", exc_info=t.exception())
 
@@ -227,14 +200,28 @@ class TaskSet:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, awaited: bool = False) -> asyncio.Task[Any]:
+        """Start `coro` as a task of the set. Its failure is logged when it ends, unless
+        `awaited`: the caller awaits the task and reports its failure itself (with what it
+        knows of it)."""
+        # Named by its coroutine ("ConductorService._assign"): what a failure's line says it was.
+        task = asyncio.get_running_loop().create_task(coro, name=getattr(coro, "__qualname__", None))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if not awaited:
+            task.add_done_callback(_report_failure)
         return task
 
     def __len__(self) -> int:
         return len(self._tasks)
 
     async def close(self) -> None:
-        await cancel_and_wait(*self._tasks)
+        await cancel_and_wait(*self._tasks, report=False)  # each reports its own failure (spawn)
+
+
+def _report_failure(task: asyncio.Task[Any]) -> None:
+    """Nobody awaits a side task: its failure is logged here, once, with its traceback, or it
+    would be lost (asyncio says nothing of an exception never retrieved until the task is
+    collected, if then). A cancel is how a task is stopped, not a failure."""
+    if not task.cancelled() and (e := task.exception()) is not None:
+        log.error("task %s failed", task.get_name(), exc_info=e)
