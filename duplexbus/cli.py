@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
-import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -123,67 +121,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
-def open_warning(host: str, cfg: ServingConfig) -> str | None:
-    """A frontend that other machines can reach and that asks for no token serves anyone who
-    finds it: what to say, loudly, at start (it is a choice to make, not a default to miss)."""
-    if cfg.auth.tokens or is_loopback(host):
-        return None
-    bar = "!" * 78
-    return (
-        f"{bar}\nThis frontend listens on {host}, reachable from other machines, and no bearer token is set:\n"
-        f"anyone who reaches it can run calls. Set auth.tokens in the serving config (or $DUPLEXBUS_TOKENS).\n{bar}"
-    )
-
-
-def warn_if_open(host: str, cfg: ServingConfig) -> None:
-    """The open_warning in the frontend's log (`duplexbus up` prints it at the terminal too)."""
-    warning = open_warning(host, cfg)
-    if warning is not None:
-        logging.getLogger("duplexbus.frontend").warning("\n%s", warning)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def cmd_frontend(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from services.frontend.app import create_app
-    from services.frontend.http import FrontendHttpProtocol
-    from services.frontend.server import FrontendServer
-    from services.frontend.websocket import FrontendWebSocketProtocol
-    from shared.runtime.process import setup_logging, tune_gc
+    from services.frontend.server import serve
 
     setup_logging("frontend", args.log_format)
     cfg = _config(args)
-    host = args.host or cfg.host
-    port = args.port or cfg.port
-    if args.fd is not None:
-        host = socket.socket(fileno=os.dup(args.fd)).getsockname()[0]
-    warn_if_open(host, cfg)
-    app = create_app(cfg)
-    tune_gc()
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        # Both take their limits from the app's guard (the lifespan's state).
-        http=FrontendHttpProtocol,
-        ws=FrontendWebSocketProtocol,
-        ws_max_size=cfg.ws_max_frame_bytes,  # the app answers oversize messages itself
-        ws_per_message_deflate=False,  # compressing base64 audio costs CPU and saves little
-        log_level="warning",
-        log_config=None,  # uvicorn's own lines go through setup_logging's handler (JSON with --log-format json)
-        lifespan="on",
-        ws_ping_interval=20,
-    )
-    # --fd: a listening socket inherited from `duplexbus up`, which every frontend accepts on.
-    sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else None
-    FrontendServer(config, cfg.shutdown_drain_s).run(sockets=sockets)
+    serve(cfg, args.host or cfg.host, args.port or cfg.port, fd=args.fd)
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from services.frontend.exposure import open_warning
 from shared.bus.embedded import NatsServer, StoreInUse, free_port
 from shared.runtime.config import ServingConfig
 from shared.runtime.process import die_with_parent
@@ -346,8 +347,6 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             cfg, workers, opts.ready_timeout, children, lambda: stop
         )
         if ready:
-            from duplexbus.cli import open_warning
-
             # The frontends log it, into files; the person at the terminal must see it too.
             warning = open_warning(opts.host, cfg)
             if warning is not None:

@@ -18,9 +18,9 @@ import websockets
 from openai import AsyncOpenAI
 from websockets.typing import Origin, Subprotocol
 
-from duplexbus.cli import is_loopback, warn_if_open
 from models.echo import FRAME
 from services.frontend.auth import Access, Grant
+from services.frontend.exposure import is_loopback, warn_if_open
 from shared.runtime.config import parse_config
 from shared.runtime.errors import Forbidden, Unauthorized
 from tests.support.audio import pcm_file
