@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from services.frontend.calls import InputState
-from services.frontend.session import SocketSession
+from services.frontend.socket_session import SocketSession
 from shared.runtime.config import parse_config
 from tests.support.poll import until
 

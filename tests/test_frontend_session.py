@@ -13,8 +13,8 @@ from typing import Any
 
 from services.frontend.calls import CallInput, InputState
 from services.frontend.outbox import Outbox
-from services.frontend.service import Call, FrontendService
-from services.frontend.session import SocketSession
+from services.frontend.service import FrontendService, RelayedCall
+from services.frontend.socket_session import SocketSession
 from shared.bus import subjects
 from shared.runtime.config import parse_config
 from shared.runtime.errors import BusTimeout
@@ -37,7 +37,7 @@ async def test_an_ended_call_is_forgotten_by_its_socket() -> None:
     for i in range(3):
         rid = f"r{i}"
         inp = CallInput(model, {"audio_in": None}, cfg.max_call_input_bytes, time.monotonic())
-        call = Call(f"cid{i}", rid, inp, session.outbox, True, on_end=session._forget)
+        call = RelayedCall(f"cid{i}", rid, inp, session.outbox, True, on_end=session._forget)
         svc.calls[call.cid] = call
         session.calls[rid] = call
         await svc._cleanup(call, {"finish": {"reason": "completed"}})
@@ -182,7 +182,7 @@ def _service_on(bus: FakeBus) -> FrontendService:
 async def test_an_abort_that_is_not_published_is_logged(caplog: Any) -> None:
     svc = _service_on(FakeBus())
     inp = CallInput(svc.model(None), {"audio_in": None}, svc.config.max_call_input_bytes, time.monotonic())
-    call = Call("cid-x", "r", inp, FakeWS().outbox, True)
+    call = RelayedCall("cid-x", "r", inp, FakeWS().outbox, True)
     svc.calls[call.cid] = call
     with caplog.at_level("WARNING"):
         await svc.abort(call, "socket closed", 499)
@@ -196,7 +196,9 @@ async def test_only_a_call_with_a_request_id_frees_one() -> None:
     svc = _service_on(bus)
     model = svc.model(None)
     for cid, rid in (("cid-r", "r"), ("cid-none", None)):
-        call = Call(cid, rid, CallInput(model, {"audio_in": None}, 1 << 20, time.monotonic()), FakeWS().outbox, rid is not None)
+        call = RelayedCall(
+            cid, rid, CallInput(model, {"audio_in": None}, 1 << 20, time.monotonic()), FakeWS().outbox, rid is not None
+        )
         svc.calls[cid] = call
         await svc._cleanup(call)
     assert bus.released == ["r"]  # no attempt on key "" (or None) for the one-shot without one

@@ -1,5 +1,5 @@
 """The realtime endpoint's shell in process, without NATS or a server: a stand-in socket
-drives `RealtimeHub` and its `Outbox` (their task handling and what they tell a client)."""
+drives `RealtimeHub` and its `EventSender` (their task handling and what they tell a client)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from starlette.websockets import WebSocket
 
 from services.frontend.realtime import endpoint
-from services.frontend.realtime.endpoint import LiveSession, Outbox, RealtimeHub
+from services.frontend.realtime.endpoint import EventSender, LiveSession, RealtimeHub
 from services.frontend.service import FrontendService
 from shared.runtime.config import ServingConfig
 
@@ -92,7 +92,7 @@ async def test_cancelling_a_handler_while_its_outbox_writer_stops_is_not_swallow
     monkeypatch.setattr(endpoint, "CLOSE_FLUSH_S", flush_s)
     sock = StandInSocket()
     sock.stall_sends = True
-    outbox = Outbox(as_ws(sock), MAX_BYTES)
+    outbox = EventSender(as_ws(sock), MAX_BYTES)
     outbox.send(b'{"type": "x"}')
     await asyncio.sleep(0.01)  # the writer took it and is stuck sending
     after: list[str] = []
@@ -113,7 +113,7 @@ async def test_cancelling_a_handler_while_its_receive_stops_is_not_swallowed(hub
     cancelled as it waits for that receive to stop: the cancellation goes on up, and the
     session was closed and its socket closed all the same."""
     sock = StandInSocket()
-    outbox = Outbox(as_ws(sock), MAX_BYTES)
+    outbox = EventSender(as_ws(sock), MAX_BYTES)
     session = live_session(hub)
     session.attach(outbox)
     after: list[str] = []
@@ -137,7 +137,7 @@ async def test_a_client_not_reading_is_told_by_a_close_and_counted_not_dropped_s
     sock = StandInSocket()
     sock.stall_sends = True  # the client reads nothing: the writer's first send never ends
     overflows: list[int] = []
-    outbox = Outbox(as_ws(sock), MAX_BYTES, on_overflow=lambda: overflows.append(1))
+    outbox = EventSender(as_ws(sock), MAX_BYTES, on_overflow=lambda: overflows.append(1))
     event = b'{"type": "response.output_audio.delta", "delta": "' + b"A" * 100 + b'"}'
     with caplog.at_level(logging.WARNING, logger="services.frontend.realtime.endpoint"):
         for _ in range(40):  # past twice MAX_BYTES
@@ -155,7 +155,7 @@ async def test_a_session_whose_client_is_not_reading_waits_for_a_resume(hub: Rea
     are in the stream, and a resume reads what the client missed from there."""
     sock = StandInSocket()
     sock.stall_sends = True
-    outbox = Outbox(as_ws(sock), MAX_BYTES, hub._overflowed)
+    outbox = EventSender(as_ws(sock), MAX_BYTES, hub._overflowed)
     session = live_session(hub)
     session.attach(outbox)
     run = asyncio.create_task(hub._run(as_ws(sock), outbox, session))

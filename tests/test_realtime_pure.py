@@ -16,11 +16,11 @@ from models.voice_assistant.realtime import VoiceAssistantRealtime
 from services.frontend.realtime import events as ev
 from services.frontend.realtime.session import (
     Close,
-    EndInput,
-    Limits,
+    EndCallInput,
     RealtimeSession,
     ResponseState,
     SendAudio,
+    SessionLimits,
     SessionState,
     event_number,
 )
@@ -34,7 +34,7 @@ class Harness:
 
     def __init__(self, mapping: RealtimeMapping | None = None, has_text: bool = False) -> None:
         self.s = RealtimeSession(
-            "t1", "echo", mapping or EchoModel().realtime_mapping(), Limits(16000, FRAME, 16000 * 60, 5.0, has_text), "tok"
+            "t1", "echo", mapping or EchoModel().realtime_mapping(), SessionLimits(16000, FRAME, 16000 * 60, 5.0, has_text), "tok"
         )
         self.events: list[dict[str, Any]] = []
         self.sent: list[np.ndarray] = []
@@ -328,11 +328,11 @@ def test_session_close_ends_input_then_closes_after_the_call() -> None:
     h.send({"type": "input_audio_buffer.commit"})
     h.send({"type": "response.create"})
     h.send({"type": "session.close"})
-    assert isinstance(h.actions[-1], EndInput)
+    assert isinstance(h.actions[-1], EndCallInput)
     err = h.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(tone(0.1, 16000)), "event_id": "late"})
     assert err[0]["error"]["code"] == "session_closed" and err[0]["error"]["event_id"] == "late"
     h.take(h.s.call_ended(200, "completed"))
-    # mypy keeps h.actions[-1] narrowed to EndInput by the assert above across the calls that append to it.
+    # mypy keeps h.actions[-1] narrowed to EndCallInput by the assert above across the calls that append to it.
     assert h.types()[-1] == "session.closed" and h.actions[-1] == Close(1000, "session closed")  # type: ignore[comparison-overlap]
     check_responses(h.events)
 

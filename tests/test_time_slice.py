@@ -11,7 +11,7 @@ import time
 from typing import Any, cast
 
 from services.frontend import app
-from services.frontend.session import SocketSession
+from services.frontend.socket_session import SocketSession
 
 
 class ReadyQueue:

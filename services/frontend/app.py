@@ -27,8 +27,8 @@ from services.frontend.limits import Guard, Limits, Load, Shed
 from services.frontend.outbox import Outbox, Outlet, to_json
 from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.realtime.endpoint import RealtimeHub
-from services.frontend.service import Call, FrontendService
-from services.frontend.session import SocketSession, error_body
+from services.frontend.service import FrontendService, RelayedCall
+from services.frontend.socket_session import SocketSession, error_body
 from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
@@ -69,7 +69,7 @@ class OneShot:
         self.request = request
         self.guard = guard
         self.request_id: str | None = None
-        self.call: Call | None = None
+        self.call: RelayedCall | None = None
         self.outbox = Outbox(pause_at=service.config.max_send_buffer_bytes, on_overflow=self._overflowed)
         self._body_bytes = 0
         self._body_since: float | None = None
@@ -162,7 +162,7 @@ class OneShot:
         if self.call is not None:
             self.service.abort_soon(self.call, err.message, err.status)
 
-    async def _lines(self, call: Call, watcher: asyncio.Task[Any]) -> AsyncIterator[bytes]:
+    async def _lines(self, call: RelayedCall, watcher: asyncio.Task[Any]) -> AsyncIterator[bytes]:
         try:
             # Ended by the outbox, which closes once the call's last message is in it.
             while (msg := await self.outbox.get()) is not None:
@@ -172,7 +172,7 @@ class OneShot:
             self._release()
             self.service.abort_soon(call, "client went away", 499)
 
-    async def _abort_when_gone(self, call: Call) -> None:
+    async def _abort_when_gone(self, call: RelayedCall) -> None:
         """A client that leaves ends its call. Under ASGI 2.4 Starlette notices a client that
         left only when a send fails, and a one-shot that is queued, or whose model is quiet,
         sends nothing for a while: so watch the connection (its body is read by now)."""

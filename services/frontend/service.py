@@ -67,7 +67,7 @@ class Sink(Protocol):
 
 
 @dataclass(eq=False)  # a call is itself, whatever its fields: its owner keeps it in a set
-class Call:
+class RelayedCall:
     cid: str
     request_id: str | None
     input: CallInput
@@ -79,7 +79,7 @@ class Call:
     recovering: bool = False  # a read of the call's outputs from the stream is under way
     fin: wire.Fin | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
-    on_end: Callable[[Call], None] | None = None  # whoever opened it forgets it (a socket)
+    on_end: Callable[[RelayedCall], None] | None = None  # whoever opened it forgets it (a socket)
     opened: float = field(default_factory=time.monotonic)
 
     _output_prefix: bytes | None = None
@@ -98,7 +98,7 @@ class FrontendService:
     def __init__(self, config: ServingConfig, frontend_id: str | None = None) -> None:
         self.config = config
         self.frontend_id = frontend_id or subjects.new_process_id("frontend")
-        self.calls: dict[str, Call] = {}  # cid -> call
+        self.calls: dict[str, RelayedCall] = {}  # cid -> call
         self._bus: BusConnection | None = None
         self.ready = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
@@ -263,7 +263,7 @@ class FrontendService:
         return self._limits[name]
 
     # -- calls -----------------------------------------------------------------
-    async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[Call], None] | None = None) -> Call:
+    async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None = None) -> RelayedCall:
         """Open a call whose messages go to `sink`; `on_end` runs once when it ends, after its
         last message went to the sink."""
         try:
@@ -275,7 +275,7 @@ class FrontendService:
         event(log, "call opened", cid=call.cid, request_id=call.request_id, model=call.input.model.name, live=call.live)
         return call
 
-    async def _open_call(self, o: Opening, sink: Sink, on_end: Callable[[Call], None] | None) -> Call:
+    async def _open_call(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None) -> RelayedCall:
         if not self.ready.is_set():
             raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
         model_name = o.model or self.default_model
@@ -294,7 +294,7 @@ class FrontendService:
                 revision = await self.rids.create(o.request_id, cid.encode())
             except KeyTaken:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
-        call = Call(cid, o.request_id, inp, sink, live, revision, on_end=on_end)
+        call = RelayedCall(cid, o.request_id, inp, sink, live, revision, on_end=on_end)
         self.calls[cid] = call
         try:
             call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self._on_out))
@@ -323,7 +323,7 @@ class FrontendService:
             raise
         return call
 
-    async def append(self, call: Call, a: Append) -> None:
+    async def append(self, call: RelayedCall, a: Append) -> None:
         """An append; raises for a rejected append (the caller ends the call with its error)."""
         now = time.monotonic()
         prepared = call.input.accept(a.input, opening=False, end=a.end_input, now=now)
@@ -331,13 +331,13 @@ class FrontendService:
         await self._publish_ends(call.cid, prepared)
         self._report_late(call, prepared)
 
-    async def end_input(self, call: Call, e: EndInput) -> None:
+    async def end_input(self, call: RelayedCall, e: EndInput) -> None:
         prepared = call.input.end_input(e.end_input, time.monotonic())
         await self._publish_items(call.cid, prepared)
         await self._publish_ends(call.cid, prepared)
         self._report_late(call, prepared)
 
-    def _report_late(self, call: Call, p: Prepared) -> None:
+    def _report_late(self, call: RelayedCall, p: Prepared) -> None:
         """The late-append reply: input for (or an end of) streams the client had already ended.
         Nothing of it was charged or sent; the call goes on."""
         late = sorted(set(p.late) | set(p.already_ended))
@@ -408,7 +408,7 @@ class FrontendService:
         for edge, total in p.ended.items():
             await self.bus.store_once(subjects.eoi(cid, edge), wire.encode(wire.EndOfInput(total=total)), STORE_PATIENCE_S)
 
-    async def abort(self, call: Call, reason: str, status: int, tell_client: bool = False) -> None:
+    async def abort(self, call: RelayedCall, reason: str, status: int, tell_client: bool = False) -> None:
         """End a call from this side (socket closed, timeout, refused append)."""
         if call.cid not in self.calls:
             return
@@ -419,14 +419,14 @@ class FrontendService:
         except BusError as e:  # the workers then hold the call until its own timeouts end it
             log.error("call %s: its abort (%s) was not published: %s", call.cid, reason, e)
 
-    def abort_soon(self, call: Call, reason: str, status: int) -> None:
+    def abort_soon(self, call: RelayedCall, reason: str, status: int) -> None:
         """`abort` in a task of the service's own, for a caller that may be cancelled at any
         await (a response Starlette cancels when its client leaves): an abort cut short would
         leave the call, queued or running, to the conductor."""
         if not call.ended.is_set():
             self.tasks.spawn(self.abort(call, reason, status))
 
-    async def _cleanup(self, call: Call, reply: dict[str, Any] | None = None) -> None:
+    async def _cleanup(self, call: RelayedCall, reply: dict[str, Any] | None = None) -> None:
         """Forget the call, free its request_id, then send `reply` and tell its owner (so a
         client that reads the call's last message may reuse the request_id at once), then
         drop its subscriptions."""
@@ -436,7 +436,7 @@ class FrontendService:
             await self.rids.release(call.request_id, call.cid.encode(), call.request_id_revision)
         self._let_go(call, reply)
 
-    def _let_go(self, call: Call, reply: dict[str, Any] | None) -> None:
+    def _let_go(self, call: RelayedCall, reply: dict[str, Any] | None) -> None:
         """The rest of `_cleanup`, with no await: also for a call whose cleanup was cut short."""
         call.ended.set()
         # No await from here to the owner's forgetting it: the reply and the forgetting are
@@ -464,16 +464,16 @@ class FrontendService:
         else:
             self._accept_output(call, m.data)
 
-    async def _accept_stored_output(self, call: Call, m: BusMsg) -> None:
+    async def _accept_stored_output(self, call: RelayedCall, m: BusMsg) -> None:
         self._accept_output(call, await self.bus.body(m))
 
-    def _fall_behind(self, call: Call) -> None:
+    def _fall_behind(self, call: RelayedCall) -> None:
         """Live outputs are not taken until the client has room; then they are read from the
         stream (`_recover_outputs`), from where the relay is."""
         call.relay.fall_behind()
         call.sink.when_room(call.cid, lambda: self._recover_outputs(call))
 
-    def _accept_output(self, call: Call, body: bytes) -> None:
+    def _accept_output(self, call: RelayedCall, body: bytes) -> None:
         """Relay what the relay lets through now (`relay.OutputRelay`). The last output a fin
         counts finishes the call."""
         try:
@@ -494,7 +494,7 @@ class FrontendService:
         for call in list(self.calls.values()):
             self._recover_outputs(call)
 
-    def _recover_outputs(self, call: Call) -> None:
+    def _recover_outputs(self, call: RelayedCall) -> None:
         """Outputs not relayed yet, lost in transit (a gap, or fewer than the fin counts) or
         not taken while the client had no room: every output is in the stream, so read the
         call's outputs from there and relay the missing ones, as long as the client has room.
@@ -528,7 +528,7 @@ class FrontendService:
 
         self.tasks.spawn(recover())
 
-    async def _read_outputs(self, call: Call) -> bool:
+    async def _read_outputs(self, call: RelayedCall) -> bool:
         """One read of the call's stored outputs and fin, from where the relay is; False where
         it stopped because the client had no room for more."""
         filters = [subjects.out(call.cid), subjects.fin(call.cid)]
@@ -549,7 +549,7 @@ class FrontendService:
         if call is not None:
             self.tasks.spawn(self._accept_fin(call, m.data))
 
-    async def _accept_fin(self, call: Call, body: bytes) -> None:
+    async def _accept_fin(self, call: RelayedCall, body: bytes) -> None:
         """A fin that counts outputs not relayed yet waits for them (`_check_timeouts` reads
         the stream for them, and gives up on them after a while)."""
         if call.fin is not None:
@@ -562,7 +562,7 @@ class FrontendService:
         if call.fin.status != 200 or call.relay.complete:
             await self._finish(call)
 
-    async def _finish(self, call: Call) -> None:
+    async def _finish(self, call: RelayedCall) -> None:
         if call.cid not in self.calls or call.fin is None:
             return
         fin = call.fin
@@ -586,7 +586,7 @@ class FrontendService:
         else:
             await self._cleanup(call, {"error": fin.error or fin.reason, "status": fin.status})
 
-    def _ended(self, call: Call, outcome: str, status: int) -> None:
+    def _ended(self, call: RelayedCall, outcome: str, status: int) -> None:
         self.metrics.calls.labels(outcome, str(status)).inc()
         event(
             log,

@@ -22,22 +22,21 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from services.frontend.outbox import Outbox as CallOutbox
-from services.frontend.outbox import Reply, to_json
+from services.frontend.outbox import Outbox, Reply, to_json
 from services.frontend.protocol import Append, EndInput, Opening, over_bytes, too_big_error
 from services.frontend.realtime import events as ev
 from services.frontend.realtime.session import (
     Close,
-    Limits,
+    EndCallInput,
     Out,
     RealtimeSession,
     SendAudio,
     SendText,
+    SessionLimits,
     SessionState,
     event_number,
 )
-from services.frontend.realtime.session import EndInput as EndInputAction
-from services.frontend.service import Call, FrontendService
+from services.frontend.service import FrontendService, RelayedCall
 from services.frontend.websocket import SEND_NOW
 from shared.bus import subjects, wire
 from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded, Overloaded
@@ -100,7 +99,7 @@ class EventLog:
             yield msg.n, msg.json, seq
 
 
-class Outbox:
+class EventSender:
     """One socket's sending side: the frontend's bounded `outbox.Outbox`, as `/generate/ws`
     has it. Sending never awaits. Under the frontend's own protocol each event is handed to
     the connection at once (`SEND_NOW`), which bounds what waits for the client and drops one
@@ -116,7 +115,7 @@ class Outbox:
         self.on_overflow = on_overflow
         self.gone = asyncio.Event()
         send_now: Callable[[bytes], None] | None = ws.scope.get("extensions", {}).get(SEND_NOW)
-        self.box = CallOutbox(send_now, pause_at=max_bytes, on_overflow=self._overflowed)
+        self.box = Outbox(send_now, pause_at=max_bytes, on_overflow=self._overflowed)
         self.writer = None if self.box.direct else asyncio.get_running_loop().create_task(self._write())
 
     def send(self, data: bytes) -> None:
@@ -168,9 +167,9 @@ class LiveSession:
         self.model = model
         self.core = core
         self.rid = rid
-        self.call: Call | None = None
+        self.call: RelayedCall | None = None
         self.log: EventLog | None = None
-        self.outbox: Outbox | None = None
+        self.outbox: EventSender | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
         self.expiry: asyncio.TimerHandle | None = None
         self.closed = asyncio.Event()  # the session is over (socket to be closed)
@@ -180,7 +179,7 @@ class LiveSession:
     async def open(self) -> None:
         # Every message reaches `sink` (as JSON bytes), with no bound of the call's own: the
         # session's events go to its socket through the session's outbox.
-        call = await self.svc.open_call(Opening(self.rid, self.model_name, ClientInput()), CallOutbox(self.sink))
+        call = await self.svc.open_call(Opening(self.rid, self.model_name, ClientInput()), Outbox(self.sink))
         self.call = call
         self.log = EventLog(self.svc, call.cid)
         self._spawn(self.log.run())
@@ -230,7 +229,7 @@ class LiveSession:
                     await self.svc.append(call, Append(self.rid, ClientInput(files=[ClientFile("a.pcm", data)])))
                 elif isinstance(a, SendText):
                     await self.svc.append(call, Append(self.rid, ClientInput(text=a.text)))
-                elif isinstance(a, EndInputAction):
+                elif isinstance(a, EndCallInput):
                     await self.svc.end_input(call, EndInput(self.rid, True))
             except LimitExceeded as e:
                 eid = a.event_id if isinstance(a, SendAudio | SendText) else None
@@ -260,7 +259,7 @@ class LiveSession:
         await self.act(self.core.handle(event, time.monotonic()))
 
     # -- sockets -------------------------------------------------------------------------
-    def attach(self, outbox: Outbox) -> None:
+    def attach(self, outbox: EventSender) -> None:
         if self.expiry is not None:
             self.expiry.cancel()
             self.expiry = None
@@ -290,7 +289,7 @@ class LiveSession:
                 log.warning("realtime session %s: its last events were not all stored within %g s", self.rid, LOG_DRAIN_S)
         await cancel_and_wait(*self.tasks)
 
-    async def replay(self, outbox: Outbox, last_seen: int) -> None:
+    async def replay(self, outbox: EventSender, last_seen: int) -> None:
         """Send what the client missed (events after `last_seen`) from the stream, then attach:
         the check that all were sent and the attach happen with no await in between."""
         assert self.log is not None
@@ -319,7 +318,7 @@ class RealtimeHub:
         self.detached: dict[str, LiveSession] = {}
         self.attached: dict[str, LiveSession] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.overflows = 0  # sockets closed because their client was not reading (`Outbox`)
+        self.overflows = 0  # sockets closed because their client was not reading (`EventSender`)
 
     def _overflowed(self) -> None:
         self.overflows += 1
@@ -350,7 +349,7 @@ class RealtimeHub:
             sid,
             name,
             mapping,
-            Limits(
+            SessionLimits(
                 limits.sample_rate, limits.item_size, min(caps), cfg.realtime.response_wait_s, model.text_stream() is not None
             ),
             secrets.token_urlsafe(24),
@@ -360,7 +359,7 @@ class RealtimeHub:
     async def serve(self, ws: WebSocket, subprotocol: str | None = None) -> None:
         """One socket from accept to close (accepted with `subprotocol`: the one that carried its token)."""
         await ws.accept(subprotocol=subprotocol)
-        outbox = Outbox(ws, self.svc.config.max_send_buffer_bytes, self._overflowed)
+        outbox = EventSender(ws, self.svc.config.max_send_buffer_bytes, self._overflowed)
         name = ws.query_params.get("model") or self.svc.default_model
         try:
             model = self.svc.model(name)
@@ -387,7 +386,7 @@ class RealtimeHub:
         session.deliver(session.core.created())
         await self._run(ws, outbox, session)
 
-    async def resume(self, outbox: Outbox, event: ev.ClientEvent, fresh: LiveSession | None) -> LiveSession | None:
+    async def resume(self, outbox: EventSender, event: ev.ClientEvent, fresh: LiveSession | None) -> LiveSession | None:
         """`session.resume`: the session named by its token takes this socket, and the fresh
         session this socket had opened (if any) is ended. An unknown token: an error, and
         the fresh session goes on."""
@@ -431,7 +430,7 @@ class RealtimeHub:
             return None
         return old
 
-    async def _run(self, ws: WebSocket, outbox: Outbox, session: LiveSession) -> None:
+    async def _run(self, ws: WebSocket, outbox: EventSender, session: LiveSession) -> None:
         first = True
         code = 1006
         loop = asyncio.get_running_loop()
@@ -483,7 +482,7 @@ class RealtimeHub:
                 # Last: where the handler itself is being cancelled, `stop` raises it on.
                 await cancel_and_wait(*pending)
 
-    async def _left(self, session: LiveSession, outbox: Outbox, code: int) -> None:
+    async def _left(self, session: LiveSession, outbox: EventSender, code: int) -> None:
         if session.outbox is not outbox and session.outbox is not None:
             return  # taken over by a resumed socket
         if session.closed.is_set() or session.core.state is SessionState.CLOSED:

@@ -51,7 +51,7 @@ class SessionUpdate:
 
 
 @dataclass
-class Append:
+class AppendAudio:
     pcm: np.ndarray  # PCM16 at the session's input rate
 
 
@@ -113,7 +113,7 @@ class Resume:
 
 Action = (
     SessionUpdate
-    | Append
+    | AppendAudio
     | Commit
     | Clear
     | ResponseCreate
@@ -284,10 +284,10 @@ def _session_update(raw: dict[str, Any]) -> SessionUpdate:
     return up
 
 
-def _append(raw: dict[str, Any]) -> Append:
+def _append(raw: dict[str, Any]) -> AppendAudio:
     if "audio" not in raw:
         raise invalid("input_audio_buffer.append needs `audio` (base64 PCM16)", "audio")
-    return Append(pcm16(raw["audio"], "audio"))
+    return AppendAudio(pcm16(raw["audio"], "audio"))
 
 
 def _response_create(raw: dict[str, Any]) -> ResponseCreate:

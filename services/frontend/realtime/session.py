@@ -83,7 +83,7 @@ class SendText:
 
 
 @dataclass
-class EndInput:
+class EndCallInput:
     pass
 
 
@@ -95,7 +95,7 @@ class Close:
     reason: str
 
 
-CallAction = SendAudio | SendText | EndInput | Close
+CallAction = SendAudio | SendText | EndCallInput | Close
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Out:
 
 
 @dataclass
-class Limits:
+class SessionLimits:
     """What the session needs to know of the model and the serving config."""
 
     native_rate: int  # the model's audio stream
@@ -139,7 +139,7 @@ def event_number(event_id: str | None) -> int | None:
 
 
 class RealtimeSession:
-    def __init__(self, sid: str, model: str, mapping: RealtimeMapping, limits: Limits, resume_token: str) -> None:
+    def __init__(self, sid: str, model: str, mapping: RealtimeMapping, limits: SessionLimits, resume_token: str) -> None:
         self.sid = sid
         self.model = model
         self.mapping = mapping
@@ -235,7 +235,7 @@ class RealtimeSession:
             return self.error("session_closed", "the session is closing (session.close); no more input is taken", None, eid)
         if isinstance(a, ev.SessionUpdate):
             self._update(a)
-        elif isinstance(a, ev.Append):
+        elif isinstance(a, ev.AppendAudio):
             self._append(a.pcm, eid)
         elif isinstance(a, ev.Commit):
             self._commit(eid)
@@ -419,7 +419,7 @@ class RealtimeSession:
     def _close(self) -> None:
         self._drop_buffer()
         self._move(SessionState.CLOSING)
-        self._act(EndInput())
+        self._act(EndCallInput())
 
     # -- model outputs -----------------------------------------------------------------
     def on_output(self, output: dict[str, Any], now: float) -> Out:

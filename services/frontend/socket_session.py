@@ -20,7 +20,7 @@ from services.frontend.protocol import (
     parse_message,
     valid_request_id,
 )
-from services.frontend.service import Call, Sink
+from services.frontend.service import RelayedCall, Sink
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import Aborted, Conflict, DuplexError, UnknownCall
 
@@ -46,10 +46,10 @@ class Calls(Protocol):
 
     config: ServingConfig
 
-    async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[Call], None] | None = None) -> Call: ...
-    async def append(self, call: Call, a: Append) -> None: ...
-    async def end_input(self, call: Call, e: EndInput) -> None: ...
-    async def abort(self, call: Call, reason: str, status: int, tell_client: bool = False) -> None: ...
+    async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None = None) -> RelayedCall: ...
+    async def append(self, call: RelayedCall, a: Append) -> None: ...
+    async def end_input(self, call: RelayedCall, e: EndInput) -> None: ...
+    async def abort(self, call: RelayedCall, reason: str, status: int, tell_client: bool = False) -> None: ...
 
 
 class SocketSession:
@@ -63,8 +63,8 @@ class SocketSession:
     def __init__(self, outbox: Outbox, service: Calls) -> None:
         self.outbox = outbox
         self.service = service
-        self.calls: dict[str, Call] = {}  # the live ones with a request_id, by it
-        self.unnamed: set[Call] = set()  # one-shots without a request_id
+        self.calls: dict[str, RelayedCall] = {}  # the live ones with a request_id, by it
+        self.unnamed: set[RelayedCall] = set()  # one-shots without a request_id
         # Messages of a call whose opening, end of input or abort is under way, by request_id:
         # they wait for it, while other calls' messages on this socket go on.
         self.lanes: dict[str | None, deque[ClientMessage | ParseError]] = {}
@@ -75,7 +75,7 @@ class SocketSession:
     def send(self, msg: dict[str, Any]) -> None:
         self.outbox.send(msg)
 
-    def live(self, rid: str | None) -> Call | None:
+    def live(self, rid: str | None) -> RelayedCall | None:
         return self.calls.get(rid) if rid is not None else None
 
     @property
@@ -83,7 +83,7 @@ class SocketSession:
         """A call of this socket is live, or a message about one is under way."""
         return bool(self.calls or self.unnamed or self.lanes)
 
-    def _forget(self, call: Call) -> None:
+    def _forget(self, call: RelayedCall) -> None:
         """The call ended: its request_id is free on this socket (and the socket holds no
         trace of it, however many calls it runs over its life)."""
         if call.request_id is None:
@@ -204,7 +204,7 @@ class SocketSession:
             err = Aborted("aborted by the client")
             await self.service.abort(call, err.message, err.status, tell_client=True)
 
-    async def _reject_append(self, call: Call, e: DuplexError) -> None:
+    async def _reject_append(self, call: RelayedCall, e: DuplexError) -> None:
         """A rejected append ends the call with its error and no finish."""
         await self.service.abort(call, e.message, e.status, tell_client=True)
 
