@@ -8,15 +8,20 @@ the done is stored once the server answers again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
+
+import pytest
 
 from services.worker import engine as eng
 from services.worker.service import WorkerService
 from shared.bus import subjects, wire
 from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import parse_config
+from shared.runtime.errors import BusDenied, BusError, BusRefused, BusTimeout, BusUnavailable
 from tests.support.bus import own_nats_server
 
 
@@ -55,7 +60,7 @@ async def test_a_message_not_stored_is_sent_again_until_it_is() -> None:
     async def publish(subject: str, body: bytes) -> None:
         tries[subject] = tries.get(subject, 0) + 1
         if subject == "flaky" and tries[subject] < 3:
-            raise TimeoutError
+            raise BusTimeout(f"storing {subject}", "no answer in time")  # as store_once says a late ack
 
     stored = asyncio.Event()
 
@@ -85,16 +90,16 @@ async def test_a_worker_goes_on_stepping_while_a_done_waits_on_a_stopped_server(
                 if w._bus is not None and w.bus.is_connected:
                     break
                 await asyncio.sleep(0.05)
-            await w._assign(wire.Assign(cid="c1", model="echo", partitions=["Talker"]))
+            await w.assignment.assign(wire.Assign(cid="c1", model="echo", partitions=["Talker"]))
             assert "c1" in w.calls
             assert server.proc is not None
             os.kill(server.proc.pid, signal.SIGSTOP)
             try:
                 w.runners["Talker"].engine.drop_call("c1")  # as the engine does when it emits the done
                 t0 = time.monotonic()
-                await w._carry_out([eng.PublishDone("c1", 0, {"frames": 0})], "Talker")
+                await w.stepper.carry_out([eng.PublishDone("c1", 0, {"frames": 0})], "Talker")
                 assert time.monotonic() - t0 < 0.5  # the step loop does not wait for the ack
-                assert len(w.ends) == 1
+                assert len(w.stepper.ends) == 1
                 await asyncio.sleep(6)  # past the publish's own timeout: it fails, and is sent again
                 assert not run.done(), "the worker ended while the server was stopped"
                 assert "c1" in w.calls  # not let go before its done is stored
@@ -104,10 +109,114 @@ async def test_a_worker_goes_on_stepping_while_a_done_waits_on_a_stopped_server(
                 if "c1" not in w.calls:
                     break
                 await asyncio.sleep(0.05)
-            assert "c1" not in w.calls and len(w.ends) == 0
-            assert w.ends.retries >= 1
+            assert "c1" not in w.calls and len(w.stepper.ends) == 0
+            assert w.stepper.ends.retries >= 1
             stored = await w.bus.last_stored(subjects.done("c1", "Talker"))
             assert wire.decode_as(stored, wire.Done).usage == {"frames": 0}
         finally:
             stop.set()
             await asyncio.wait_for(run, 30)
+
+
+async def _until(done: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize(
+    "refusal", [BusDenied("storing bad", "permissions violation"), BusRefused("storing bad", "storage full")]
+)
+async def test_a_message_refused_for_good_fails_alone_and_does_not_hold_up_later_ones(
+    refusal: BusError, caplog: pytest.LogCaptureFixture
+) -> None:
+    tries: dict[str, int] = {}
+    told: list[tuple[str, Exception]] = []
+    stored: list[str] = []
+
+    async def publish(subject: str, body: bytes) -> None:
+        tries[subject] = tries.get(subject, 0) + 1
+        if subject == "bad":
+            raise refusal
+
+    def owner(subject: str) -> tuple[Callable[[], Awaitable[None]], Callable[[Exception], Awaitable[None]]]:
+        async def then() -> None:
+            stored.append(subject)
+
+        async def failed(e: Exception) -> None:
+            told.append((subject, e))
+
+        return then, failed
+
+    store = StoreBehind(publish, max_pause_s=0.01)
+    task = asyncio.create_task(store.run())
+    try:
+        store.put("before", b"", *owner("before"))
+        store.put("bad", b"", *owner("bad"))
+        store.put("same-batch", b"", *owner("same-batch"))
+        await _until(lambda: len(store) == 0)
+        store.put("later", b"", *owner("later"))
+        await _until(lambda: len(store) == 0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert tries["bad"] == 1  # not sent again: it would be refused again, for ever
+    assert told == [("bad", refusal)] and stored == ["before", "same-batch", "later"]
+    assert store.failures == 1 and store.retries == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "bad not stored" in said[0], said
+
+
+async def test_a_publish_that_fails_with_a_bug_is_logged_with_its_traceback_not_retried(caplog: pytest.LogCaptureFixture) -> None:
+    tries = 0
+
+    async def publish(subject: str, body: bytes) -> None:
+        nonlocal tries
+        tries += 1
+        raise RuntimeError("a bug in the publish")
+
+    store = StoreBehind(publish, max_pause_s=0.01)
+    task = asyncio.create_task(store.run())
+    try:
+        store.put("x", b"")
+        await _until(lambda: len(store) == 0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert tries == 1 and store.failures == 1
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+
+
+async def test_recoverable_failures_keep_the_order_and_log_the_outage_once(caplog: pytest.LogCaptureFixture) -> None:
+    """While the server is away every try fails; later messages wait behind the first (the
+    order is kept), and the outage is one warning and one line when it ends, not one a try."""
+    caplog.set_level(logging.INFO)
+    away = True
+    order: list[str] = []
+
+    async def publish(subject: str, body: bytes) -> None:
+        if away:
+            raise BusUnavailable(f"storing {subject}", "no server")
+
+    async def then_of(subject: str) -> None:
+        order.append(subject)
+
+    store = StoreBehind(publish, max_pause_s=0.005)
+    task = asyncio.create_task(store.run())
+    try:
+        store.put("first", b"", lambda: then_of("first"))
+        await _until(lambda: store.retries >= 5)
+        store.put("second", b"", lambda: then_of("second"))
+        await _until(lambda: store.retries >= 10)
+        assert order == []  # "second" waits behind "first"
+        away = False
+        await _until(lambda: len(store) == 0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert order == ["first", "second"] and store.failures == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "no server" in warned[0], warned
+    assert len([r for r in caplog.records if "works again" in r.getMessage()]) == 1

@@ -8,6 +8,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from shared.runtime.errors import BusError, BusUnavailable
+from shared.runtime.retry import Backoff, Outage, retrying
+
 log = logging.getLogger(__name__)
 
 
@@ -16,6 +19,8 @@ class _ToStore:
     subject: str
     body: bytes
     then: Callable[[], Awaitable[None]] | None
+    failed: Callable[[Exception], Awaitable[None]] | None
+    stored: bool = False
 
 
 class StoreBehind:
@@ -24,11 +29,17 @@ class StoreBehind:
     worker's step that ends many calls goes on to its next step at once.
 
     Whatever is queued when the task wakes is written at once and the acks awaited
-    together. A message the stream did not take (the server restarting, a timeout) is sent
-    again, after a pause that doubles up to `max_pause_s`, until it is stored: the stream
-    drops repeats by `Nats-Msg-Id` (`BusConnection.store_once`). Only such a retry can put a
-    message after one queued later. `then` runs once its message is stored. The queue
-    holds at most a few messages per call its owner holds, so it needs no other bound.
+    together. A message the stream did not take for a reason that passes (the server
+    restarting, a timeout: `BusError.recoverable`) is sent again, after a pause that doubles
+    up to `max_pause_s`, until it is stored: the stream drops repeats by `Nats-Msg-Id`
+    (`BusConnection.store_once`), and later messages wait for it. Only such a retry can put
+    a message after one queued later. `then` runs once its message is stored.
+
+    A message refused for good (a permission, a request the server refuses) or whose
+    publish fails with anything but a BusError (a bug) is not sent again: sending it again
+    would not store it and would hold every later message behind it for ever. It is logged,
+    counted (`failures`), and its `failed` is told why. The queue holds at most a few
+    messages per call its owner holds, so it needs no other bound.
     """
 
     def __init__(self, publish: Callable[[str, bytes], Awaitable[None]], max_pause_s: float = 2.0) -> None:
@@ -37,10 +48,18 @@ class StoreBehind:
         self._ready = asyncio.Event()
         self._in_flight = 0
         self.max_pause_s = max_pause_s
-        self.retries = 0
+        self.retries = 0  # tries again of a batch with messages not stored
+        self.failures = 0  # messages given up on
+        self._outage = Outage("storing the ends of calls", log)
 
-    def put(self, subject: str, body: bytes, then: Callable[[], Awaitable[None]] | None = None) -> None:
-        self._queue.append(_ToStore(subject, body, then))
+    def put(
+        self,
+        subject: str,
+        body: bytes,
+        then: Callable[[], Awaitable[None]] | None = None,
+        failed: Callable[[Exception], Awaitable[None]] | None = None,
+    ) -> None:
+        self._queue.append(_ToStore(subject, body, then, failed))
         self._ready.set()
 
     def __len__(self) -> int:
@@ -58,24 +77,54 @@ class StoreBehind:
                 try:
                     await self._store(batch)
                     for m in batch:
-                        if m.then is not None:
-                            try:
-                                await m.then()
-                            except Exception:
-                                log.exception("after storing %s", m.subject)
+                        if m.stored and m.then is not None:
+                            await _after(m.subject, m.then())
                 finally:
                     self._in_flight = 0
 
     async def _store(self, batch: list[_ToStore]) -> None:
-        pause = 0.05
-        while True:
-            results = await asyncio.gather(*(self._publish(m.subject, m.body) for m in batch), return_exceptions=True)
-            failed = [m for m, r in zip(batch, results, strict=True) if isinstance(r, Exception)]
-            if not failed:
-                return
-            errors = sorted({type(r).__name__ for r in results if isinstance(r, Exception)})
-            log.warning("%d message(s) not stored (%s), sending again in %.2fs", len(failed), ", ".join(errors), pause)
-            self.retries += 1
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, self.max_pause_s)
-            batch = failed
+        """Store `batch`, each message sent again while its failure is recoverable; those given
+        up on are left `stored` False."""
+        pending = batch
+
+        async def attempt() -> None:
+            nonlocal pending
+            results = await asyncio.gather(*(self._publish(m.subject, m.body) for m in pending), return_exceptions=True)
+            again: list[_ToStore] = []
+            error: BusError | None = None
+            for m, r in zip(pending, results, strict=True):
+                if isinstance(r, asyncio.CancelledError):  # its publish alone (our own stop raises from gather)
+                    r = BusUnavailable(f"storing {m.subject}", "the publish was cancelled")
+                if r is None:
+                    m.stored = True
+                elif isinstance(r, BusError) and r.recoverable:
+                    again.append(m)
+                    error = error or r
+                elif isinstance(r, Exception):
+                    await self._give_up(m, r)
+                else:
+                    raise r
+            pending = again
+            if error is not None:
+                self.retries += 1
+                raise error  # retrying pauses, then sends `pending` again
+
+        await retrying(attempt, self._outage, backoff=Backoff(0.05, self.max_pause_s))
+
+    async def _give_up(self, m: _ToStore, error: Exception) -> None:
+        self.failures += 1
+        if isinstance(error, BusError):
+            log.error("%s not stored, and sending it again would not store it: %s", m.subject, error)
+        else:
+            log.error("%s not stored: its publish failed", m.subject, exc_info=error)
+        if m.failed is not None:
+            await _after(m.subject, m.failed(error))
+
+
+async def _after(subject: str, owner_told: Awaitable[None]) -> None:
+    """What the owner asked for once a message is stored or given up on: its failure is
+    logged, and the messages after it are stored all the same."""
+    try:
+        await owner_told
+    except Exception:
+        log.exception("after storing %s", subject)
