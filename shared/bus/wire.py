@@ -1,7 +1,14 @@
 """The wire schema: one typed, tagged msgpack struct per message kind.
 
-encode/decode are pure functions. Every message carries a version `v`; a decoder
-refuses a newer major version rather than misreading it.
+encode/decode are pure functions. Every message carries its writer's wire version:
+`v`, the major, and `vm`, the minor. Within a major, a new minor only adds fields, each
+with a default that means what the message meant without it; a reader ignores fields it
+does not know (msgspec's default) and fills the ones a writer did not send with their
+defaults, so any two minors of one major read each other, and the services of a running
+deployment can be replaced one at a time (docs/operations.md). A minor never removes a
+field or changes what a field or one of its values means, and a new message kind goes on
+subjects no older reader reads (an unknown tag is undecodable). A decoder refuses a newer
+major rather than misreading it.
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ import numpy as np
 from shared.runtime.errors import ProtocolError
 from shared.sdk.chunking import Item
 
-VERSION = 1
+# `v` stays the major alone: the decoders already deployed refuse any `v` above 1, so a
+# new minor must never raise it. The minor travels beside it, in `vm`, which those
+# decoders ignore like any field they do not know.
+MAJOR = 1
+MINOR = 0
 _T = TypeVar("_T", bound="Msg")
 
 
@@ -45,7 +56,10 @@ class WireItem(msgspec.Struct, frozen=True):
 
 
 class Msg(msgspec.Struct, tag_field="t", kw_only=True):
-    v: int = VERSION
+    v: int = MAJOR
+    # For logs and replays only: a reader decides by the fields present, never by the minor.
+    # A message from before minors were carried has none and so reads as this process's own.
+    vm: int = MINOR
 
 
 class Open(Msg, tag="open"):
@@ -226,8 +240,11 @@ def decode(data: bytes) -> AnyMsg:
         msg = _decoder.decode(data)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable message: {e}") from None
-    if msg.v > VERSION:
-        raise ProtocolError(f"message version {msg.v} is newer than this process understands ({VERSION})")
+    if msg.v > MAJOR:
+        raise ProtocolError(
+            f"a {type(msg).__name__} of wire version {msg.v}.{msg.vm}, a newer major than this process's "
+            f"{MAJOR}.{MINOR}: it cannot be read (a new major is not rolled out one process at a time)"
+        )
     return msg
 
 
