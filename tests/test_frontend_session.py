@@ -13,7 +13,8 @@ from typing import Any
 
 from services.frontend.calls import CallInput, InputState
 from services.frontend.outbox import Outbox
-from services.frontend.service import FrontendService, RelayedCall
+from services.frontend.relayed_call import RelayedCall
+from services.frontend.service import FrontendService
 from services.frontend.socket_session import SocketSession
 from shared.bus import subjects
 from shared.runtime.config import parse_config

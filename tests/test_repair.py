@@ -281,7 +281,7 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
         await stack.wait_workers(1)
         await fe.start()
         await asyncio.wait_for(fe.ready.wait(), 20)
-        real = fe._on_out
+        real = fe.outputs.on_out
         dropped: list[int] = []
 
         def lossy(m: Any) -> None:  # the live subscription loses output 3, once
@@ -290,7 +290,7 @@ async def test_frontend_reads_a_lost_output_from_the_stream(nats_url: str) -> No
                 return
             real(m)
 
-        fe._on_out = lossy  # type: ignore[method-assign]
+        fe.outputs.on_out = lossy  # type: ignore[method-assign]
         got: list[Any] = []
         finished = asyncio.Event()
 

@@ -27,7 +27,8 @@ from services.frontend.limits import Guard, Limits, Load, Shed
 from services.frontend.outbox import Outbox, Outlet, to_json
 from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.realtime.endpoint import RealtimeHub
-from services.frontend.service import FrontendService, RelayedCall
+from services.frontend.relayed_call import RelayedCall
+from services.frontend.service import FrontendService
 from services.frontend.socket_session import SocketSession, error_body
 from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig

@@ -20,7 +20,7 @@ from services.frontend.protocol import (
     parse_message,
     valid_request_id,
 )
-from services.frontend.service import RelayedCall, Sink
+from services.frontend.relayed_call import RelayedCall, Sink
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import Aborted, Conflict, DuplexError, UnknownCall
 

@@ -36,7 +36,8 @@ from services.frontend.realtime.session import (
     SessionState,
     event_number,
 )
-from services.frontend.service import FrontendService, RelayedCall
+from services.frontend.relayed_call import RelayedCall
+from services.frontend.service import FrontendService
 from services.frontend.websocket import SEND_NOW
 from shared.bus import subjects, wire
 from shared.runtime.errors import BadRequest, DuplexError, LimitExceeded, Overloaded
