@@ -165,14 +165,14 @@ async def lossy_worker(nats_url: str, drop: Callable[[str, bytes], bool]) -> Asy
     each; with a client connection to drive it."""
     cfg = parse_config({"nats_url": nats_url, "model": "echo"})
     svc = WorkerService(cfg, "echo")
-    real = svc._take
+    real = svc.intake._take
 
     def lossy(subject: str, data: bytes, live: bool) -> Any:
         if live and drop(subject, data):
             return [], ""
         return real(subject, data, live)
 
-    svc._take = lossy  # type: ignore[method-assign]
+    svc.intake._take = lossy  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(svc.run(stop))
     nc = await nats.connect(nats_url)
@@ -241,7 +241,7 @@ async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
         await asyncio.wait_for(echoed.wait(), timeout=10)
         assert dropped == [5]
         assert frames == list(range(20))
-        assert svc.repairs >= 1
+        assert svc.intake.repairs >= 1
 
 
 async def test_worker_reads_a_lost_end_and_last_item_from_the_stream(nats_url: str) -> None:

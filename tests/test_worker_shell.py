@@ -33,5 +33,5 @@ def test_the_worker_tells_its_repair_policy_which_edges_it_produces_itself() -> 
     (repair.InputReads.may_lose has the rule; tests/test_repair.py tests it)."""
     w = WorkerService(parse_config({}), "echo")
     for p in ("Encoder", "Talker"):
-        w.reads.subscribed("c", p, w.runners[p].engine.input_edges(), now=0.0)
-    assert w.reads.may_lose("c", "Encoder") and not w.reads.may_lose("c", "Talker")
+        w.intake.reads.subscribed("c", p, w.runners[p].engine.input_edges(), now=0.0)
+    assert w.intake.reads.may_lose("c", "Encoder") and not w.intake.reads.may_lose("c", "Talker")

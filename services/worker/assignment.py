@@ -1,0 +1,92 @@
+"""The worker's assignments: the conductor's `ctl.worker.{id}.assign` requests, answered.
+
+An assigned call's partitions here are added to their engines, then handed to the intake
+(`Intake.placed`), which takes their input.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from services.worker.calls import BusOf, Runner
+from services.worker.intake import Intake
+from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection, BusMsg
+from shared.runtime.errors import DuplexError, Overloaded
+
+log = logging.getLogger(__name__)
+
+
+class Assignment:
+    """Answers assignments; it starts no task of its own (`Intake.placed` does)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        bus: BusOf,
+        runners: dict[str, Runner],
+        intake: Intake,
+        accepting: Callable[[], bool],
+        capacity: Callable[[], int],
+    ) -> None:
+        self.worker_id = worker_id
+        self._bus = bus
+        self.runners = runners
+        self.intake = intake
+        self._accepting = accepting
+        self._capacity = capacity
+
+    @property
+    def bus(self) -> BusConnection:
+        return self._bus()
+
+    async def on_assign(self, msg: BusMsg) -> None:
+        reply = await self.answer(msg.data)
+        if msg.reply:
+            await msg.respond(wire.encode(reply))
+
+    async def answer(self, data: bytes) -> wire.AssignReply:
+        """Take the call an Assign names, and say whether it was taken."""
+        try:
+            await self.assign(wire.decode_as(data, wire.Assign))
+        except DuplexError as e:
+            return wire.AssignReply(ok=False, error=e.message)
+        except Exception as e:
+            log.exception("assign failed")
+            return wire.AssignReply(ok=False, error=str(e))
+        return wire.AssignReply(ok=True)
+
+    async def assign(self, a: wire.Assign) -> None:
+        """Take the call's partitions that run here. A call may come back for more of its
+        partitions (another worker of one of them died and it was placed here): only the new
+        ones are added; an assignment repeated by the conductor changes nothing."""
+        if not self._accepting():
+            raise Overloaded("worker is shutting down")
+        call = self.intake.calls.get(a.cid)
+        mine = [p for p in a.partitions if p in self.runners and (call is None or p not in call.partitions)]
+        if call is not None and not mine:
+            return
+        if call is None and len(self.intake.calls) >= self._capacity():
+            raise Overloaded(f"worker {self.worker_id} is full ({self._capacity()} calls)")
+        kwargs = await self._kwargs_from_open(a.cid) if a.kwargs_in_open else a.model_kwargs
+        added: list[str] = []
+        try:
+            for p in mine:
+                r = self.runners[p]
+                async with r.lock:
+                    r.engine.add_call(a.cid, kwargs)
+                added.append(p)
+        except BaseException:
+            for p in added:  # a partition refused it (its own capacity, bad kwargs): leave no trace
+                async with self.runners[p].lock:
+                    self.runners[p].engine.drop_call(a.cid)
+            raise
+        if call is None:
+            call = await self.intake.open(a.cid)
+        await self.intake.placed(call, mine)
+
+    async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
+        stored = await self.bus.last_stored(subjects.open_(cid))
+        return dict(wire.decode_as(stored, wire.Open).model_kwargs)

@@ -1,0 +1,127 @@
+"""The worker's stepper: runs each partition's engine and publishes what its steps make
+(outputs, edge items and ends, dones, aborts)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+
+import msgspec
+
+from services.worker import engine as eng
+from services.worker.calls import BusOf, Runner
+from services.worker.intake import Intake
+from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection
+from shared.bus.store_behind import StoreBehind
+from shared.runtime.errors import WorkerFailed
+from shared.runtime.metrics import WorkerMetrics
+from shared.runtime.process import cancel_and_wait
+from shared.sdk.model import StepInput
+
+log = logging.getLogger(__name__)
+
+
+class Stepper:
+    """Owns a step loop per partition and the store of ends behind them (`ends`): `run()`
+    runs them all until it is cancelled, and cancels and awaits them then."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        bus: BusOf,
+        runners: dict[str, Runner],
+        intake: Intake,
+        metrics: WorkerMetrics,
+        step_window_s: float,
+    ) -> None:
+        self.worker_id = worker_id
+        self._bus = bus
+        self.runners = runners
+        self.intake = intake
+        self.metrics = metrics
+        self.step_window_s = step_window_s
+        self.ends = StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
+
+    @property
+    def bus(self) -> BusConnection:
+        return self._bus()
+
+    async def run(self) -> None:
+        loops = [asyncio.create_task(self._step_loop(name, r), name=f"step {name}") for name, r in self.runners.items()]
+        loops.append(asyncio.create_task(self.ends.run(), name="ends"))
+        try:
+            await asyncio.gather(*loops)  # one that fails fails the worker's run, the others stopped here
+        finally:
+            await cancel_and_wait(*loops)
+
+    async def _step_loop(self, name: str, r: Runner) -> None:
+        window = self.step_window_s
+        while True:
+            now = time.monotonic()
+            async with r.lock:
+                batch = r.engine.next_batch(now)
+                if batch:
+                    actions = await self._run_step(name, r, batch)
+                    self.intake.freed.fire()
+            if not batch:
+                r.wake.clear()
+                due = r.engine.next_due(now)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(r.wake.wait(), timeout=1.0 if due is None else max(due, 0.001))
+                continue
+            await self.carry_out(actions, name)
+            # Let input gather between steps: bigger batches, and the outputs of one step
+            # leave in one socket write rather than many.
+            await asyncio.sleep(window)
+
+    async def _run_step(self, name: str, r: Runner, batch: list[StepInput]) -> list[eng.Action]:
+        try:
+            start = time.perf_counter()
+            if r.blocking:
+                emissions = await asyncio.to_thread(r.engine.partition.step, batch)
+            else:
+                emissions = r.engine.partition.step(batch)
+            self.metrics.step_seconds.labels(name).observe(time.perf_counter() - start)
+            self.metrics.batch_size.labels(name).observe(len(batch))
+            return r.engine.complete(batch, emissions)
+        except Exception as e:  # model code: a model bug fails the batch's calls, not the process (I-4)
+            log.exception("step of %s failed", name)
+            err = WorkerFailed(f"partition {name} failed: {e}")
+            return [a for s in batch for a in r.engine.fail_call(s.cid, err)]
+
+    async def carry_out(self, actions: list[eng.Action], partition: str) -> None:
+        """Publish what an engine made, in order; an edge whose consumer runs the call here is
+        also handed to it at once (Intake.hand_over_item)."""
+        for a in actions:
+            if isinstance(a, eng.PublishOutput):
+                body = wire.encode(
+                    wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
+                )
+                await self.bus.publish(subjects.out(a.cid), body)
+            elif isinstance(a, eng.PublishEdgeItem):
+                body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
+                await self.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
+                if (took := self.intake.hand_over_item(a.cid, a.edge, a.seq, a.item)) is not None:
+                    await self.carry_out(*took)
+            elif isinstance(a, eng.PublishEdgeEnd):
+                # Stored behind (self.ends): the step loop does not wait for the ack.
+                self.ends.put(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
+                if (took := self.intake.hand_over_end(a.cid, a.edge, a.total)) is not None:
+                    await self.carry_out(*took)
+            elif isinstance(a, eng.PublishDone):
+                done = wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
+                # The call is let go only once its done is stored: a worker that stopped before
+                # that would leave the conductor waiting on a done that never comes.
+                then = functools.partial(self.intake.partition_finished, a.cid, partition)
+                self.ends.put(subjects.done(a.cid, partition), wire.encode(done), then)
+            elif isinstance(a, eng.FailCall):
+                log.info("call %s failed in %s: %s", a.cid, partition, a.error.message)
+                self.ends.put(subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status)))
+                await self.intake.forget(a.cid)
+
+    async def _store_once(self, subject: str, body: bytes) -> None:
+        await self.bus.store_once(subject, body)
