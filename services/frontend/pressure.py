@@ -12,7 +12,7 @@ before it) measures the connection's round trip, and past `slow_s` the frontend 
 taking input: the sockets are read no more, TCP slows the clients, and their input waits
 on their side. Once a round trip is back under `fast_s` it takes input again. Ends of input,
 aborts and outputs are never held; a live call in real time sends little and is held only as
-long as the bus is that far behind. The pure rule is here; the service runs the probe.
+long as the bus is that far behind. The pure rule is here; `probes.BusProbe` runs the probe.
 """
 
 from __future__ import annotations

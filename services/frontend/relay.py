@@ -4,12 +4,12 @@ Outputs reach the frontend on core NATS subscriptions, so one can be lost in tra
 after a worker is replaced its successor publishes again what was relayed already. Every
 output is also in the stream. The relay decides, from what arrived and when: what goes to
 the client now, what waits for an earlier one (bounded), what is a repeat, when a read of
-the stream is due, and when the fin's counts are met. The service (`service.py`) does the
+the stream is due, and when the fin's counts are met. The output side (`outputs.py`) does the
 reading and the sending.
 
 Flow control: a client slower than its call's outputs is not sent more than its
 connection holds (`outbox.Outbox.has_room`). Past that the relay falls *behind*: live
-outputs are not taken (they wait in the stream), and once the client has room the service
+outputs are not taken (they wait in the stream), and once the client has room `outputs.py`
 reads them from the stream, from where the relay is, at the client's pace, as it does for
 a lost output. A slow reader loses nothing and the frontend holds a bounded amount for it.
 """
