@@ -166,7 +166,7 @@ class ConductorService:
                     log.error("cannot read the body of %s: %s", m.subject, e)
                     continue
                 if ev is None:
-                    await _ack(m)
+                    await self._ack(m)
                     continue
                 await self.events.put((ev, m))
 
@@ -198,7 +198,7 @@ class ConductorService:
                 if isinstance(result, Exception):
                     log.error("a write for %r failed: %r", ev, result)
             if msg is not None:
-                await _ack(msg)
+                await self._ack(msg)
         finally:
             self._unsettled.release()
 
@@ -304,6 +304,14 @@ class ConductorService:
                 error = e.message
             break
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
+
+    async def _ack(self, msg: BusMsg) -> None:
+        """Acknowledge a consumer message; one not acknowledged comes again after ack_wait, and
+        the core treats a repeated event as the same event."""
+        try:
+            await self.bus.ack(msg)
+        except BusError as e:  # the connection closed, say: only a repeat comes of it
+            log.warning("%s", e)
 
     async def _on_reconnect(self) -> None:
         log.warning("reconnected to NATS: watching the heartbeats again")
@@ -443,15 +451,6 @@ async def health_beat(bus: RoundTrips, period_s: float) -> None:
             outage.ok(time.monotonic())
             healthfile.beat()
         await asyncio.sleep(period_s)
-
-
-async def _ack(msg: BusMsg) -> None:
-    """Acknowledge a consumer message; one not acknowledged comes again after ack_wait, and the
-    core treats a repeated event as the same event."""
-    try:
-        await msg.ack()
-    except Exception as e:  # nats-py's own kinds (connection closed, already acked)
-        log.warning("acknowledging %s failed: %r", msg.subject, e)
 
 
 def _lost(bucket: str, key: str) -> core.Event:

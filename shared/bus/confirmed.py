@@ -27,7 +27,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.nuid import NUID
 
+from shared.bus.failures import mapped
 from shared.bus.internals import subscribe_direct
+from shared.runtime.errors import BusError
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +137,10 @@ class Confirmer:
                 )
             for token, sent in due:
                 try:
-                    await self._nc.publish(sent.subject, sent.body, reply=f"{self._prefix}{token}", headers=sent.headers)
-                except Exception as e:  # nats-py's kinds (closed, reconnecting): due again later
-                    log.debug("sending %s again: %r", sent.subject, e)
+                    with mapped(f"sending {sent.subject} again"):
+                        await self._nc.publish(sent.subject, sent.body, reply=f"{self._prefix}{token}", headers=sent.headers)
+                except BusError as e:  # closed, reconnecting: due again later
+                    log.debug("%s", e)
 
     async def close(self, timeout: float) -> None:
         """Wait up to `timeout` for what is unconfirmed (sending it again meanwhile), then stop."""

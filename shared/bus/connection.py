@@ -15,7 +15,7 @@ import math
 import os
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 from nats import micro
@@ -44,15 +44,47 @@ from shared.bus.internals import subscribe_direct
 from shared.bus.kv import Bucket
 from shared.bus.payloads import Payloads
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import BusDenied, BusError, BusNotFound, BusRefused, BusTimeout, BusUnavailable
+from shared.runtime.errors import BusDenied, BusError, BusNotFound, BusRefused, BusTimeout, BusUnavailable, DuplexError
+from shared.runtime.retry import Backoff, Outage, retrying
 
 log = logging.getLogger(__name__)
 
-BusMsg = Msg
-"""A message as handlers get it: `.subject`, `.data`, `.headers`, `.reply`, `await .respond(b)`,
-`await .ack()` (durable consumers)."""
 
-BusSubscription = Subscription
+class BusMsg(Protocol):
+    """A message as handlers get it. nats-py's own `Msg` is one, structurally: no object per
+    message wraps it (the frontend and the workers take thousands a second). What would
+    raise nats-py's errors is reached through the connection, which maps them to BusErrors:
+    `BusConnection.ack`, `BusConnection.answer`, `BusConnection.body`."""
+
+    @property
+    def subject(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def headers(self) -> dict[str, str] | None: ...
+
+    @property
+    def reply(self) -> str: ...
+
+    # Raises nats-py's errors: new code answers with `BusConnection.answer`. Kept while the
+    # worker's assignment handler still answers with it.
+    async def respond(self, data: bytes) -> None: ...
+
+
+class BusSubscription(Protocol):
+    """A subscription as services hold it: they end it with `BusConnection.unsubscribe_all`."""
+
+    @property
+    def subject(self) -> str: ...
+
+
+def _nats_msg(msg: BusMsg) -> Msg:
+    """Every BusMsg this package hands out is nats-py's Msg; the Protocol only hides from
+    services what raises nats-py's errors."""
+    return cast(Msg, msg)
+
 
 # History and TTL per bucket: heartbeats expire so a dead process disappears by itself.
 BUCKETS: dict[str, dict[str, Any]] = {
@@ -109,6 +141,7 @@ def redacted(urls: str | None) -> str:
 
 
 CLOSE_FAILED_S = 2.0
+SET_UP_PAUSE_S = 0.5  # as often as a JetStream leader election is worth asking about
 
 
 async def _close_quietly(nc: Client) -> None:
@@ -116,7 +149,7 @@ async def _close_quietly(nc: Client) -> None:
     failed TLS handshake left half open, and there is nothing to keep of it."""
     try:
         await asyncio.wait_for(nc.close(), CLOSE_FAILED_S)
-    except Exception as e:
+    except Exception as e:  # broad on purpose: a client left half made fails in ways of its own (no transport)
         log.debug("closing a connection that failed: %r", e)
 
 
@@ -160,9 +193,10 @@ def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Re
     async def on_request(req: Request) -> None:
         try:
             await req.respond(await handler(req.data))
-        except Exception as e:  # answered as a service error, as nats micro clients expect
+        except Exception as e:  # the handler's own failure, a bug included: answered as nats micro clients expect
             log.exception("answering %s failed", req.subject)
-            await req.respond_error("500", str(e))
+            # A DuplexError's message is written for whoever asked; a bug's text is internal.
+            await req.respond_error("500", e.message if isinstance(e, DuplexError) else "internal error (in the service's log)")
 
     return on_request
 
@@ -175,9 +209,10 @@ class Announcement:
 
     async def stop(self) -> None:
         try:
-            await self._svc.stop()
-        except Exception as e:  # the connection may be closing: the entry goes with it
-            log.debug("stopping service discovery: %r", e)
+            with mapped("stopping service discovery"):
+                await self._svc.stop()
+        except BusError as e:  # the connection may be closing: the entry goes with it
+            log.debug("%s", e)
 
 
 class BusConnection:
@@ -257,22 +292,19 @@ class BusConnection:
     async def _set_up(self, stream: bool, buckets: Sequence[str], timeout: float | None) -> None:
         """The stream and buckets, tried again while the failure is recoverable (a cluster
         electing its JetStream leader answers nothing for a while), for up to `timeout`."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            try:
-                if stream:
-                    await self.ensure_stream()
-                    stream = False
-                for b in buckets:
-                    if b not in self.kv:
-                        self.kv[b] = await self.bucket(b)
-                return
-            except BusError as e:
-                if not e.recoverable or (deadline is not None and loop.time() > deadline):
-                    raise
-                log.warning("%s; trying again", e)
-                await asyncio.sleep(0.5)
+        made = not stream
+
+        async def set_up() -> None:
+            nonlocal made
+            if not made:
+                await self.ensure_stream()
+                made = True
+            for b in buckets:
+                if b not in self.kv:
+                    self.kv[b] = await self.bucket(b)
+
+        outage = Outage("setting up the stream and buckets", log)
+        await retrying(set_up, outage, backoff=Backoff(SET_UP_PAUSE_S, SET_UP_PAUSE_S), give_up_s=timeout)
 
     # -- set-up ----------------------------------------------------------------
     async def ensure_stream(self) -> None:
@@ -365,19 +397,13 @@ class BusConnection:
         An ack that does not come in time (a server slow under load answers after JetStream's
         5 s publish wait) is asked for again by publishing once more, until `patience_s` has
         passed: the repeat is dropped by the stream, so a slow server delays the call instead
-        of failing it. Past `patience_s` the BusTimeout is raised."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + patience_s
-        tries = 0
-        while True:
-            try:
-                await self.store(subject, body, headers={"Nats-Msg-Id": subject})
-                return
-            except BusTimeout:
-                tries += 1
-                if loop.time() >= deadline:
-                    raise
-                log.warning("storing %s: no ack in time (try %d), sending it again", subject, tries)
+        of failing it (so is one sent while the connection is down, BusUnavailable). Past
+        `patience_s` the last failure is raised, at once one that is not recoverable."""
+        await retrying(
+            lambda: self.store(subject, body, headers={"Nats-Msg-Id": subject}),
+            Outage(f"storing {subject}", log),
+            give_up_s=patience_s,
+        )
 
     async def request(self, subject: str, body: bytes, timeout: float) -> bytes:
         with mapped(f"asking {subject}", self._denials):
@@ -401,9 +427,21 @@ class BusConnection:
         """Best effort: a subscription of a connection that is closing may already be gone."""
         for sub in subs:
             try:
-                await sub.unsubscribe()
-            except Exception as e:  # nats-py raises its own kinds here; nothing is left to undo
-                log.debug("unsubscribing %s: %r", sub.subject, e)
+                with mapped(f"unsubscribing {sub.subject}"):
+                    await cast(Subscription, sub).unsubscribe()  # ours: nats-py's (subscribe)
+            except BusError as e:  # closed, or gone already: nothing is left to undo
+                log.debug("%s", e)
+
+    async def ack(self, msg: BusMsg) -> None:
+        """Acknowledge a message of a durable consumer (`Durable.fetch`)."""
+        with mapped(f"acknowledging {msg.subject}", self._denials):
+            await _nats_msg(msg).ack()
+
+    async def answer(self, msg: BusMsg, body: bytes) -> None:
+        """Reply to a request; nothing where the message asked for no reply."""
+        if msg.reply:
+            with mapped(f"answering {msg.subject}", self._denials):
+                await _nats_msg(msg).respond(body)
 
     # -- reading the stream ----------------------------------------------------
     def is_stored(self, msg: BusMsg) -> bool:
@@ -430,12 +468,12 @@ class BusConnection:
 
         One ephemeral consumer, read to the end and deleted: the catch-up read of workers,
         the frontend's recovery of lost outputs and `duplexbus replay` all use it."""
-        async for m in self.read_stored_msgs(filters, after, batch):
+        async for m in self._stored_msgs(filters, after, batch):
             yield m.subject, await self.body(m), m.metadata.sequence.stream
 
-    async def read_stored_msgs(self, filters: list[str], after: int = 0, batch: int = 512) -> AsyncGenerator[BusMsg, None]:
-        """As read_stored, the messages themselves (with `.metadata`: the stream's sequence and
-        the time the stream stored each)."""
+    async def _stored_msgs(self, filters: list[str], after: int, batch: int) -> AsyncGenerator[Msg, None]:
+        """As read_stored, nats-py's messages themselves (with `.metadata`: the stream's
+        sequence and the time the stream stored each)."""
         cfg = ConsumerConfig(
             filter_subjects=filters,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after else DeliverPolicy.ALL,
@@ -465,9 +503,10 @@ class BusConnection:
                         yield m
             finally:
                 try:
-                    await sub.unsubscribe()
-                except Exception as e:  # the consumer goes below either way
-                    log.debug("unsubscribing a read: %r", e)
+                    with mapped(doing):
+                        await sub.unsubscribe()
+                except BusError as e:  # the consumer goes below either way
+                    log.debug("unsubscribing a read: %s", e)
         finally:
             try:
                 with mapped(doing, self._denials):
@@ -549,10 +588,12 @@ class BusConnection:
         if self.confirmer is not None:
             await self.confirmer.close(timeout)
         try:
-            await asyncio.wait_for(self._nc.flush(), timeout)
-        except Exception as e:  # a closed or unreachable server: what was not flushed is lost either way
-            log.debug("flush before close: %r", e)
+            with mapped("flushing before the close"):
+                await asyncio.wait_for(self._nc.flush(), timeout)
+        except BusError as e:  # a closed or unreachable server: what was not flushed is lost either way
+            log.debug("%s", e)
         try:
-            await self._nc.close()
-        except Exception as e:
-            log.debug("close: %r", e)
+            with mapped("closing"):
+                await self._nc.close()
+        except BusError as e:
+            log.debug("%s", e)

@@ -29,7 +29,7 @@ from shared.bus import subjects
 from shared.bus.failures import Denials, mapped
 from shared.bus.internals import subscribe_direct
 from shared.bus.payloads import Payloads
-from shared.runtime.errors import BusTimeout
+from shared.runtime.errors import BusError, BusTimeout
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +146,11 @@ async def read_history(
             if not follow and delivered >= expected:
                 return
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(BusError), mapped(doing):  # closed already: nothing to undo
             await sub.unsubscribe()
         if info is not None:
             try:
-                await js.delete_consumer(subjects.STREAM, info.name)
-            except Exception as e:  # ephemeral: the server removes it after inactive_threshold
-                log.debug("deleting a history read's consumer: %r", e)
+                with mapped(doing, denials):
+                    await js.delete_consumer(subjects.STREAM, info.name)
+            except BusError as e:  # ephemeral: the server removes it after inactive_threshold
+                log.debug("deleting a history read's consumer: %s", e)

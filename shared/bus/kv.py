@@ -148,10 +148,15 @@ class Bucket:
         refusal within `timeout` is the answer wanted."""
         headers: dict[str, str] = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(2**62)}
         try:
-            await self._write(PROBE_KEY, headers, timeout=timeout)
-        except APIError as e:
-            return e.err_code == WRONG_LAST_SEQUENCE
-        except Exception:  # no answer, no responders, no connection: nats-py's own kinds
+            with self._doing("probing", PROBE_KEY):
+                await self._write(PROBE_KEY, headers, timeout=timeout)
+        except KeyTaken:  # the refusal asked for: a leader answered
+            return True
+        except BusError as e:
+            # No answer, no responders, no connection, another refusal: the bus's failures
+            # alone mean "not writable now". Anything else is a bug, raised: taken for "not
+            # writable" it would stop the conductor's liveness for good without a word.
+            log.debug("bucket %s not writable: %s", self.name, e)
             return False
         return True
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from shared.bus import subjects
 from shared.bus.connection import BusConnection, BusMsg
 from shared.runtime.config import ServingConfig
+from shared.runtime.errors import BusError
 
 
 class SignsOfLife:
@@ -32,13 +33,12 @@ class SignsOfLife:
     async def run(self) -> None:
         self.bus = await BusConnection.open(self.config, self.name, buckets=[self.bucket], stream=False)
         try:
-            await self.bus.subscribe(subjects.alive(self.key), _answer)
+            await self.bus.subscribe(subjects.alive(self.key), self._answer)
             await self.bus.kv[self.bucket].heartbeat(self.key, self.payload, self.period)
         finally:
             await self.bus.close()
 
-
-async def _answer(msg: BusMsg) -> None:
-    if msg.reply:
-        with contextlib.suppress(Exception):  # not connected now: the conductor asks again
-            await msg.respond(b"")
+    async def _answer(self, msg: BusMsg) -> None:
+        assert self.bus is not None  # subscribed on it
+        with contextlib.suppress(BusError):  # not connected now: the conductor asks again
+            await self.bus.answer(msg, b"")
