@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from clients import DefaultsHelp
-from clients.eval import corpus, report
+from clients.eval import corpus, extra, report
 from clients.eval.core import Bounds
 from clients.eval.protocols import DEFAULT_URLS
 from clients.eval.runner import Options, Outcome, Sample, run_eval
@@ -66,6 +66,7 @@ def samples(args: argparse.Namespace, out: Path) -> list[Sample]:
 
 
 async def run(args: argparse.Namespace) -> int:
+    extra.require()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.eval.core import Stage, figures
+from clients.eval.extra import needed
 from clients.eval.metrics import echo_exact, word_error_rate
 from clients.eval.runner import Outcome
 from shared.runtime.stats import percentile
@@ -161,7 +162,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_summary(summary: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
+    with needed():
+        from rich.table import Table
 
     table = Table(title="duplexbus eval", show_header=True)
     table.add_column("figure")
@@ -174,7 +176,8 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
 def plot(out: Path, records: list[dict[str, Any]], max_timelines: int = 40) -> list[Path]:
     """latency.png (distributions of time to first audio and reply latency) and timelines.png
     (per sample: its stages and each reply audio arrival)."""
-    import matplotlib
+    with needed():
+        import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
