@@ -1,7 +1,8 @@
 """The worker's assignments: the conductor's `ctl.worker.{id}.assign` requests, answered.
 
 An assigned call's partitions here are added to their engines, then handed to the intake
-(`Intake.placed`), which takes their input.
+(`Intake.placed`), which takes their input. The answer carries no internal error's text:
+the conductor passes a refusal's reason on to the client.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from services.worker.calls import BusOf, Runner
 from services.worker.intake import Intake
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg
-from shared.runtime.errors import DuplexError, Overloaded
+from shared.runtime.errors import BusError, DuplexError, Overloaded
 
 log = logging.getLogger(__name__)
+
+# What the conductor (and so the client) is told where taking the call failed for a reason
+# that is not the client's to read (a model's exception, the bus): the worker's log has why.
+TAKE_FAILED = "internal error: the worker could not take the call"
 
 
 class Assignment:
@@ -51,11 +56,14 @@ class Assignment:
         """Take the call an Assign names, and say whether it was taken."""
         try:
             await self.assign(wire.decode_as(data, wire.Assign))
-        except DuplexError as e:
+        except BusError:  # a DuplexError, but its text names servers and subjects: for the log only
+            log.exception("assign failed on the bus")
+            return wire.AssignReply(ok=False, error=TAKE_FAILED)
+        except DuplexError as e:  # ours, worded for the client: full, stopping, a bad message
             return wire.AssignReply(ok=False, error=e.message)
-        except Exception as e:
+        except Exception:  # a model's open_call raised: a model's exception must not end the worker
             log.exception("assign failed")
-            return wire.AssignReply(ok=False, error=str(e))
+            return wire.AssignReply(ok=False, error=TAKE_FAILED)
         return wire.AssignReply(ok=True)
 
     async def assign(self, a: wire.Assign) -> None:

@@ -21,7 +21,7 @@ from services.worker.flow import Bounds
 from services.worker.repair import Gaps, InputReads, Next, StartRead, Unit, Why
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg
-from shared.runtime.errors import DuplexError
+from shared.runtime.errors import BusError, DuplexError
 from shared.runtime.metrics import WorkerMetrics
 from shared.runtime.process import TaskSet
 from shared.runtime.stats import Reservoir
@@ -237,8 +237,8 @@ class Intake:
         placed = wire.Placed(worker_id=self.worker_id, partitions=list(call.partitions))
         try:
             await self.bus.store(subjects.placed(call.cid, self.worker_id), wire.encode(placed))
-        except Exception as e:
-            log.warning("call %s: the barrier before its catch-up read was not stored (%r)", call.cid, e)
+        except BusError as e:
+            log.warning("call %s: the barrier before its catch-up read was not stored (%s)", call.cid, e)
 
     # -- live input ------------------------------------------------------------
     def _on_data(self, m: BusMsg) -> None:

@@ -88,9 +88,9 @@ class Stepper:
             self.metrics.step_seconds.labels(name).observe(time.perf_counter() - start)
             self.metrics.batch_size.labels(name).observe(len(batch))
             return r.engine.complete(batch, emissions)
-        except Exception as e:  # model code: a model bug fails the batch's calls, not the process (I-4)
+        except Exception:  # model code: a model bug fails the batch's calls, not the process (I-4)
             log.exception("step of %s failed", name)
-            err = WorkerFailed(f"partition {name} failed: {e}")
+            err = WorkerFailed(f"partition {name} failed")  # the exception's text is for the log, not the client
             return [a for s in batch for a in r.engine.fail_call(s.cid, err)]
 
     async def carry_out(self, actions: list[eng.Action], partition: str) -> None:
