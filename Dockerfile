@@ -23,8 +23,9 @@ FROM base AS build-base
 RUN python -m venv "$VIRTUAL_ENV"
 COPY deploy/install.sh /usr/local/bin/duplexbus-install
 COPY wheelhouse/ /wheelhouse/
-# pyproject.toml alone first: the dependency layer is rebuilt only when it changes.
-COPY pyproject.toml /src/
+# pyproject.toml and constraints.txt alone first: the dependency layer is rebuilt only when
+# they change. The versions are constraints.txt's, as in `make`.
+COPY pyproject.toml constraints.txt /src/
 
 FROM build-base AS build-cpu
 RUN duplexbus-install deps cpu

@@ -7,17 +7,22 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: up test test-fast lint typecheck bench clean system-deps
+.PHONY: up test test-fast lint typecheck bench clean system-deps constraints
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Reinstall only when the dependencies change (a second `make up` starts in seconds).
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[models,dev]'
+# Reinstall only when the dependencies change (a second `make up` starts in seconds). Every
+# version comes from constraints.txt: two installs made months apart get the same packages.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[models,dev,eval]'
 	touch $(STAMP)
+
+# constraints.txt again from what .venv holds now (after an upgrade there passed the tests).
+constraints:
+	$(PY) scripts/constraints.py
 
 up: $(STAMP)
 	$(VENV)/bin/duplexbus up $(ARGS)

@@ -116,12 +116,13 @@ images() {
   image "$HAPROXY_IMAGE" haproxy_standin
 }
 
-# What the wheels are made from: the project's dependencies and its models extra, and the
-# function below. Not the whole pyproject.toml nor this script: a new test tool in the dev
-# extra, or a new step here, would otherwise rebuild every wheel (minutes, torch among them).
+# What the wheels are made from: the project's dependencies and its models extra, the
+# versions constraints.txt pins, and the function below. Not the whole pyproject.toml nor
+# this script: a new step here would otherwise rebuild every wheel (minutes, torch among them).
 wheelhouse_key() {
   {
     "$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(p["dependencies"], p["optional-dependencies"]["models"])'
+    cat constraints.txt
     declare -f wheelhouse
   } | sha256sum | cut -c1-16
 }
@@ -137,7 +138,7 @@ wheelhouse() {
   find wheelhouse -name '*.whl' -delete
   # torch pinned first so the resolver settles on the CPU wheel the index offers beside
   # PyPI's CUDA one; setuptools is what building the project needs, offline too.
-  "$PY" -m pip wheel -q -w wheelhouse "torch==2.13.0" setuptools ".[models]"
+  "$PY" -m pip wheel -q -w wheelhouse -c constraints.txt "torch==2.13.0" setuptools ".[models]"
   rm -f wheelhouse/duplexbus-*.whl  # the image builds the project from its source
   ls wheelhouse/torch-2.13.0*.whl >/dev/null
   echo "$want" >"$stamp"
