@@ -27,7 +27,7 @@ from shared.runtime.errors import BusError, BusTimeout, BusUnavailable, DuplexEr
 from shared.runtime.health import HealthServer
 from shared.runtime.metrics import ConductorMetrics
 from shared.runtime.process import TaskSet, cancel_and_wait
-from shared.runtime.retry import Outage
+from shared.runtime.retry import Backoff, Outage, retrying
 from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -129,15 +129,8 @@ class ConductorService:
     async def _restore(self) -> None:
         kv = self.kv[subjects.KV_CALLS]
         records: list[wire.CallRecord] = []
-        while True:  # without its calls' records the conductor would forget them: wait for the bus
-            try:
-                keys = await kv.keys()
-                break
-            except BusError as e:
-                if not e.recoverable:
-                    raise
-                log.warning("listing the call records: %s; trying again", e)
-                await asyncio.sleep(0.5)
+        # Without its calls' records the conductor would forget them: wait for the bus.
+        keys = await retrying(kv.keys, Outage("listing the call records", log))
         for key in keys:
             try:  # one unreadable record must not cost the others
                 entry = await kv.get(key)
@@ -150,15 +143,9 @@ class ConductorService:
             log.info("restored %d calls", len(records))
 
     async def _consume(self, sub: Durable) -> None:
+        outage = Outage("the conductor's consumer", log)  # NATS restarting, say
         while True:
-            try:
-                msgs = await sub.fetch(256, timeout=1.0)
-            except BusError as e:
-                if not e.recoverable:
-                    raise
-                log.warning("the conductor's consumer: %s; trying again", e)  # NATS restarting, say
-                await asyncio.sleep(0.5)
-                continue
+            msgs = await retrying(lambda: sub.fetch(256, timeout=1.0), outage)
             for m in msgs:
                 try:
                     ev = _event_of(m.subject, await self.bus.body(m))
@@ -245,15 +232,12 @@ class ConductorService:
 
     async def _find_finished(self) -> None:
         """The finished calls a conductor before this one left in the stream (each has a fin)."""
-        while True:
-            try:
-                fins = await self.bus.stored_subjects(subjects.fin("*"))
-                break
-            except BusError as e:
-                if not e.recoverable:
-                    log.error("finding the finished calls in the stream: %s; they go by age alone", e)
-                    return
-                await asyncio.sleep(0.5)
+        outage = Outage("finding the finished calls in the stream", log)
+        try:
+            fins = await retrying(lambda: self.bus.stored_subjects(subjects.fin("*")), outage)
+        except BusError as e:
+            log.error("finding the finished calls in the stream: %s; they go by age alone", e)
+            return
         cids = [c for c in (subjects.parse(f).cid for f in fins) if c not in self.core.calls]
         self.janitor.found(cids, time.monotonic())
         if cids:
@@ -284,25 +268,25 @@ class ConductorService:
     async def _assign(self, a: core.SendAssign) -> None:
         ok, error = False, None
         deadline = time.monotonic() + self.config.placement_timeout_s
-        while True:
-            try:
-                left = max(0.1, deadline - time.monotonic())
-                reply = await self.bus.request(subjects.assign(a.worker_id), wire.encode(a.msg), left)
-                r = wire.decode_as(reply, wire.AssignReply)
-                ok, error = r.ok, r.error
-            except BusTimeout:
-                error = "no reply"
-            except BusUnavailable as e:
-                # No responders: the worker is not subscribed right now (NATS restarted and it
-                # is reconnecting, say). Ask again until the placement's time is up; a worker
-                # that is gone for good is declared lost meanwhile and the call placed elsewhere.
-                if time.monotonic() + ASSIGN_RETRY_S < deadline:
-                    await asyncio.sleep(ASSIGN_RETRY_S)
-                    continue
-                error = e.message
-            except DuplexError as e:
-                error = e.message
-            break
+
+        async def ask() -> bytes:  # each ask waits what is left of the placement's time
+            left = max(0.1, deadline - time.monotonic())
+            return await self.bus.request(subjects.assign(a.worker_id), wire.encode(a.msg), left)
+
+        try:
+            # No responders (BusUnavailable): the worker is not subscribed right now (NATS
+            # restarted and it is reconnecting, say). Asked again until the placement's time is
+            # up; a worker that is gone for good is declared lost meanwhile and the call placed
+            # elsewhere. A timeout comes only once that time is up.
+            outage = Outage(f"assigning call {a.msg.cid} to {a.worker_id}", log)
+            backoff = Backoff(ASSIGN_RETRY_S, ASSIGN_RETRY_S)
+            reply = await retrying(ask, outage, backoff=backoff, give_up_s=self.config.placement_timeout_s)
+            r = wire.decode_as(reply, wire.AssignReply)
+            ok, error = r.ok, r.error
+        except BusTimeout:
+            error = "no reply"
+        except DuplexError as e:
+            error = e.message
         await self.events.put((core.AssignResult(a.msg.cid, a.worker_id, tuple(a.msg.partitions), ok, error), None))
 
     async def _ack(self, msg: BusMsg) -> None:
@@ -326,17 +310,11 @@ class ConductorService:
         bucket holds, this conductor is not listening and counts nobody's silence."""
         kv = self.kv[bucket]
         silence = max(3 * self.config.heartbeat_s, self.config.liveness_s / 2)
+        outage = Outage(f"watching {bucket}", log)  # NATS restarting or out of reach: the watch is made again
         while True:
             self._watching[bucket] = False
             reconnects = self._reconnects
-            try:
-                watch = await kv.watch()
-            except BusError as e:  # NATS restarting or out of reach: the watch is made again
-                if not e.recoverable:
-                    raise
-                log.warning("%s; trying again", e)
-                await asyncio.sleep(0.5)
-                continue
+            watch = await retrying(kv.watch, outage)
             try:
                 quiet = 0.0
                 while quiet < silence and reconnects == self._reconnects:
