@@ -29,12 +29,18 @@ from tests.support import bus
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name
         self.log = log_dir / f"{name}.log"
         with open(self.log, "ab") as out:
             self.p = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=pass_fds,
             )
 
     def alive(self) -> bool:
@@ -111,14 +117,22 @@ class Stack(Served):
         return self._start(name, self._argv("worker", *extra))
 
     def start_frontend(self, name: str = "frontend-0") -> int:
-        port = free_port()
-        self._start(name, self._argv("frontend", "--port", str(port)))
+        """A frontend on a listening socket made here and handed over (`--fd`, as `duplexbus up`
+        does): the port is held from the moment it is chosen. A port found free and passed as a
+        number could be taken by another process while the frontend starts (seconds, with two
+        test runs on the machine), and the test would then talk to that one."""
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            # Our copy closes once the frontend has its own: held here, it would queue the
+            # connections of a test that has killed the frontend instead of refusing them.
+            port: int = listener.getsockname()[1]
+            fd = listener.fileno()
+            self._start(name, self._argv("frontend", "--fd", str(fd)), pass_fds=(fd,))
         self.ports.append(port)
         self.port_owner[port] = name
         return port
 
-    def _start(self, name: str, argv: list[str]) -> Proc:
-        p = Proc(name, argv, self.env, self.dir)
+    def _start(self, name: str, argv: list[str], pass_fds: tuple[int, ...] = ()) -> Proc:
+        p = Proc(name, argv, self.env, self.dir, pass_fds)
         self.procs[name] = p
         return p
 
