@@ -104,15 +104,28 @@ async def test_a_request_handlers_internal_error_text_does_not_reach_the_asker(n
     async def refusing(body: bytes) -> bytes:
         raise Overloaded("no capacity now")
 
+    async def failing_on_the_bus(body: bytes) -> bytes:
+        raise BusUnavailable("asking nats://secret-host:4222", "no server")
+
     async with bus_client(nats_url, "test-boundary-micro") as conn, connected(nats_url) as nc:
         announced = await conn.announce(
-            "boundary", "0.0.1", "a test", {}, {"buggy": ("test.buggy", buggy), "refusing": ("test.refusing", refusing)}
+            "boundary",
+            "0.0.1",
+            "a test",
+            {},
+            {
+                "buggy": ("test.buggy", buggy),
+                "refusing": ("test.refusing", refusing),
+                "bus": ("test.bus", failing_on_the_bus),
+            },
         )
         try:
             bug = await nc.request("test.buggy", b"", timeout=5)
             refusal = await nc.request("test.refusing", b"", timeout=5)
+            bus_failure = await nc.request("test.bus", b"", timeout=5)
         finally:
             await announced.stop()
     assert bug.headers is not None and refusal.headers is not None
     assert "secret" not in str(bug.headers) and "internal error" in bug.headers["Nats-Service-Error"]
     assert refusal.headers["Nats-Service-Error"] == "no capacity now"  # written for whoever asked
+    assert bus_failure.headers is not None and "secret-host" not in str(bus_failure.headers)

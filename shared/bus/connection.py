@@ -195,8 +195,10 @@ def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Re
             await req.respond(await handler(req.data))
         except Exception as e:  # the handler's own failure, a bug included: answered as nats micro clients expect
             log.exception("answering %s failed", req.subject)
-            # A DuplexError's message is written for whoever asked; a bug's text is internal.
-            await req.respond_error("500", e.message if isinstance(e, DuplexError) else "internal error (in the service's log)")
+            # A DuplexError's message is written for whoever asked; a bug's text is internal, and
+            # so is a BusError's (it names servers and subjects).
+            public = e.message if isinstance(e, DuplexError) and not isinstance(e, BusError) else None
+            await req.respond_error("500", public or "internal error (in the service's log)")
 
     return on_request
 
