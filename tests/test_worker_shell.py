@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, cast
 
@@ -128,12 +129,13 @@ async def test_a_barrier_the_bus_could_not_store_is_only_warned_of_and_a_bug_is_
     reads cover what it misses); a bug there is not passed off as the bus's failure."""
     w = WorkerService(parse_config({}), "echo", ["Talker"])
     call = AssignedCall("c", ["Talker"])
-    w.intake._bus = lambda: cast(BusConnection, _StoreFails(BusUnavailable("storing call.c.placed", "no server")))
+    bus = _StoreFails(BusUnavailable("storing call.c.placed", "no server"))
+    w.intake.ctx = dataclasses.replace(w.intake.ctx, bus_of=lambda: cast(BusConnection, bus))
     with caplog.at_level(logging.WARNING, logger="services.worker.intake"):
         await w.intake._barrier(call)
     assert [r.getMessage() for r in caplog.records] == [
         "call c: the barrier before its catch-up read was not stored (storing call.c.placed: no server)"
     ]
-    w.intake._bus = lambda: cast(BusConnection, _StoreFails(TypeError("a bug")))
+    bus.error = TypeError("a bug")
     with pytest.raises(TypeError):
         await w.intake._barrier(call)

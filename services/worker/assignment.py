@@ -11,10 +11,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from services.worker.calls import BusOf, Runner
+from services.worker.calls import Context
 from services.worker.intake import Intake
 from shared.bus import subjects, wire
-from shared.bus.connection import BusConnection, BusMsg
+from shared.bus.connection import BusMsg
 from shared.runtime.errors import BusError, DuplexError, Overloaded
 
 log = logging.getLogger(__name__)
@@ -29,23 +29,15 @@ class Assignment:
 
     def __init__(
         self,
-        worker_id: str,
-        bus: BusOf,
-        runners: dict[str, Runner],
+        ctx: Context,
         intake: Intake,
         accepting: Callable[[], bool],
         capacity: Callable[[], int],
     ) -> None:
-        self.worker_id = worker_id
-        self._bus = bus
-        self.runners = runners
+        self.ctx = ctx
         self.intake = intake
         self._accepting = accepting
         self._capacity = capacity
-
-    @property
-    def bus(self) -> BusConnection:
-        return self._bus()
 
     async def on_assign(self, msg: BusMsg) -> None:
         reply = await self.answer(msg.data)
@@ -73,28 +65,28 @@ class Assignment:
         if not self._accepting():
             raise Overloaded("worker is shutting down")
         call = self.intake.calls.get(a.cid)
-        mine = [p for p in a.partitions if p in self.runners and (call is None or p not in call.partitions)]
+        mine = [p for p in a.partitions if p in self.ctx.runners and (call is None or p not in call.partitions)]
         if call is not None and not mine:
             return
         if call is None and len(self.intake.calls) >= self._capacity():
-            raise Overloaded(f"worker {self.worker_id} is full ({self._capacity()} calls)")
+            raise Overloaded(f"worker {self.ctx.worker_id} is full ({self._capacity()} calls)")
         kwargs = await self._kwargs_from_open(a.cid) if a.kwargs_in_open else a.model_kwargs
         added: list[str] = []
         try:
             for p in mine:
-                r = self.runners[p]
+                r = self.ctx.runners[p]
                 async with r.lock:
                     r.engine.add_call(a.cid, kwargs)
                 added.append(p)
         except BaseException:
             for p in added:  # a partition refused it (its own capacity, bad kwargs): leave no trace
-                async with self.runners[p].lock:
-                    self.runners[p].engine.drop_call(a.cid)
+                async with self.ctx.runners[p].lock:
+                    self.ctx.runners[p].engine.drop_call(a.cid)
             raise
         if call is None:
             call = await self.intake.open(a.cid)
         await self.intake.placed(call, mine)
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:
-        stored = await self.bus.last_stored(subjects.open_(cid))
+        stored = await self.ctx.bus.last_stored(subjects.open_(cid))
         return dict(wire.decode_as(stored, wire.Open).model_kwargs)

@@ -1,6 +1,7 @@
-"""What the worker's parts share: each partition's engine with what its stepper needs
-(`Runner`), each assigned call's subscriptions and reads (`AssignedCall`), and the signal
-that held input was freed (`Freed`). No bus here."""
+"""What the worker's parts share: the worker's id, connection, engines and metrics
+(`Context`), each partition's engine with what its stepper needs (`Runner`), each assigned
+call's subscriptions and reads (`AssignedCall`), and the signal that held input was freed
+(`Freed`). No bus I/O here."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from services.worker import engine as eng
 from shared.bus.connection import BusConnection, BusSubscription
+from shared.runtime.metrics import WorkerMetrics
 
 Took = tuple[list[eng.Action], str]  # what an engine made of one input (actions to carry out, partition)
 CarryOut = Callable[[list[eng.Action], str], Coroutine[Any, Any, None]]  # the stepper's: publish actions of a partition
@@ -57,3 +59,17 @@ class Runner:
         self.blocking = blocking  # run step() in a thread so bus I/O goes on meanwhile
         self.wake = asyncio.Event()
         self.lock = asyncio.Lock()  # partition state is not touched while a step runs in a thread
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every part of a worker uses (the service builds it once)."""
+
+    worker_id: str
+    bus_of: BusOf  # the service's connection, opened when it runs
+    runners: dict[str, Runner]  # partition -> its engine
+    metrics: WorkerMetrics
+
+    @property
+    def bus(self) -> BusConnection:
+        return self.bus_of()

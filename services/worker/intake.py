@@ -16,13 +16,12 @@ import logging
 import time
 
 from services.worker import engine as eng
-from services.worker.calls import AssignedCall, BusOf, CarryOut, Freed, Runner, Took
+from services.worker.calls import AssignedCall, CarryOut, Context, Freed, Runner, Took
 from services.worker.flow import Bounds
 from services.worker.repair import Gaps, InputReads, Next, StartRead, Unit, Why
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg
 from shared.runtime.errors import BusError, DuplexError
-from shared.runtime.metrics import WorkerMetrics
 from shared.runtime.process import TaskSet
 from shared.runtime.stats import Reservoir
 from shared.sdk.chunking import Item
@@ -39,23 +38,17 @@ class Intake:
 
     def __init__(
         self,
-        worker_id: str,
-        bus: BusOf,
+        ctx: Context,
         topology: PartitionTopology,
-        runners: dict[str, Runner],
         bounds: Bounds,
-        metrics: WorkerMetrics,
         carry_out: CarryOut,
     ) -> None:
-        self.worker_id = worker_id
-        self._bus = bus
-        self.runners = runners
-        self._engines = tuple(r.engine for r in runners.values())
+        self.ctx = ctx
+        self._engines = tuple(r.engine for r in ctx.runners.values())
         # which partition consumes each edge this worker reads
-        self.consumer_of = {c.edge_name: c.to_partition for c in topology.connections if c.to_partition in runners}
+        self.consumer_of = {c.edge_name: c.to_partition for c in topology.connections if c.to_partition in ctx.runners}
         self.producer_of = {c.edge_name: c.from_partition for c in topology.connections}
         self.bounds = bounds  # flow control
-        self.metrics = metrics
         self._carry_out = carry_out
         self.calls: dict[str, AssignedCall] = {}
         # when a call's input is read from the stream (repair policy)
@@ -66,10 +59,6 @@ class Intake:
         self.pauses = 0  # calls whose live input was left in the stream for want of room
         self.data_path_ms = Reservoir()  # publish by the frontend -> here, for live (not catch-up) items
 
-    @property
-    def bus(self) -> BusConnection:
-        return self._bus()
-
     async def close(self) -> None:
         await self.tasks.close()
 
@@ -77,8 +66,8 @@ class Intake:
     async def open(self, cid: str) -> AssignedCall:
         """The call's record here, subscribed to its abort and fin."""
         call = self.calls[cid] = AssignedCall(cid, [])
-        call.subs.append(await self.bus.subscribe(subjects.abort(cid), self._on_end))
-        call.subs.append(await self.bus.subscribe(subjects.fin(cid), self._on_end))
+        call.subs.append(await self.ctx.bus.subscribe(subjects.abort(cid), self._on_end))
+        call.subs.append(await self.ctx.bus.subscribe(subjects.fin(cid), self._on_end))
         return call
 
     async def placed(self, call: AssignedCall, mine: list[str]) -> None:
@@ -90,12 +79,12 @@ class Intake:
         # reads' barrier is published on this connection after these subscriptions, so the
         # server has them in place before it stores the barrier. One barrier serves them all.
         now = time.monotonic()
-        reads = [self.reads.subscribed(call.cid, p, self.runners[p].engine.input_edges(), now) for p in mine]
+        reads = [self.reads.subscribed(call.cid, p, self.ctx.runners[p].engine.input_edges(), now) for p in mine]
         barrier = self.tasks.spawn(self._barrier(call)) if any(r is not None and r.from_start for r in reads) else None
         for read in reads:
             self._start_read(read, barrier)
         for p in mine:
-            self.runners[p].wake.set()
+            self.ctx.runners[p].wake.set()
 
     async def run(self) -> None:
         """An item can go missing in transit (published while a subscription was being set up,
@@ -104,9 +93,9 @@ class Intake:
         while True:
             await asyncio.sleep(self.reads.period_s)
             missing: dict[Unit, Gaps] = {
-                (cid, p): gaps for p, r in self.runners.items() for cid, gaps in r.engine.missing().items()
+                (cid, p): gaps for p, r in self.ctx.runners.items() for cid, gaps in r.engine.missing().items()
             }
-            awaiting = [(cid, p) for p, r in self.runners.items() for cid in r.engine.awaiting_input()]
+            awaiting = [(cid, p) for p, r in self.ctx.runners.items() for cid in r.engine.awaiting_input()]
             for read in self.reads.tick(time.monotonic(), missing, awaiting):
                 self._start_read(read)
 
@@ -119,10 +108,10 @@ class Intake:
 
     async def _subscribe_inputs(self, call: AssignedCall, partitions: list[str]) -> None:
         """Live input of the partitions' edges that have no subscription yet."""
-        for e in [e for p in partitions for e in self.runners[p].engine.input_edges()]:
+        for e in [e for p in partitions for e in self.ctx.runners[p].engine.input_edges()]:
             if e in call.inputs or self.producer_of.get(e) in call.partitions:
                 continue  # subscribed, or produced in this process: handed over directly (local_consumer)
-            call.inputs[e] = await self.bus.subscribe_direct(subjects.consumed(call.cid, e), self._on_data)
+            call.inputs[e] = await self.ctx.bus.subscribe_direct(subjects.consumed(call.cid, e), self._on_data)
 
     # -- flow control ----------------------------------------------------------
     def _pause(self, cid: str, partition: str) -> None:
@@ -135,7 +124,7 @@ class Intake:
         self.pauses += 1
         call = self.calls.get(cid)
         if call is not None:
-            subs = [call.inputs.pop(e) for e in self.runners[partition].engine.input_edges() if e in call.inputs]
+            subs = [call.inputs.pop(e) for e in self.ctx.runners[partition].engine.input_edges() if e in call.inputs]
             self.tasks.spawn(BusConnection.unsubscribe_all(subs))  # not from inside the subscription's own handler
         self._start_read(read)
 
@@ -169,7 +158,7 @@ class Intake:
         if call is None:
             self.reads.forget(read.cid)
             return
-        self.metrics.catch_up_reads.labels(read.why.value).inc()
+        self.ctx.metrics.catch_up_reads.labels(read.why.value).inc()
         if read.why is Why.GAP:
             log.warning("call %s, %s: %s, reading them from the stream", read.cid, read.partition, read.detail)
             self.repairs += 1
@@ -185,7 +174,7 @@ class Intake:
         reads reached), at the worker's pace: without room for the next item it stops, the
         partition is paused, and it reads on once there is room. A paused partition read to
         the end takes live input again behind a barrier and is read on (repair.Next.RESUME)."""
-        cid, engine = call.cid, self.runners[r.partition].engine
+        cid, engine = call.cid, self.ctx.runners[r.partition].engine
         try:
             if r.from_start:
                 await (asyncio.shield(barrier) if barrier is not None else self._barrier(call))
@@ -215,7 +204,7 @@ class Intake:
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
         filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
         # aclosing: a read left early ends its consumer now, not when the generator is collected
-        read = self.bus.read_stored(filters, after=self.reads.read_to(cid, r.partition), batch=READ_BATCH)
+        read = self.ctx.bus.read_stored(filters, after=self.reads.read_to(cid, r.partition), batch=READ_BATCH)
         async with contextlib.aclosing(read) as stored:
             async for subject, data, seq in stored:
                 if cid not in self.calls:
@@ -234,9 +223,9 @@ class Intake:
         """Store a Placed message (see wire.Placed): once it is stored, so is any input published
         before this worker's subscriptions. Where it cannot be, the read goes on, and the gap
         and stall reads cover what it misses."""
-        placed = wire.Placed(worker_id=self.worker_id, partitions=list(call.partitions))
+        placed = wire.Placed(worker_id=self.ctx.worker_id, partitions=list(call.partitions))
         try:
-            await self.bus.store(subjects.placed(call.cid, self.worker_id), wire.encode(placed))
+            await self.ctx.bus.store(subjects.placed(call.cid, self.ctx.worker_id), wire.encode(placed))
         except BusError as e:
             log.warning("call %s: the barrier before its catch-up read was not stored (%s)", call.cid, e)
 
@@ -244,13 +233,13 @@ class Intake:
     def _on_data(self, m: BusMsg) -> None:
         """Straight from the read loop (BusConnection.subscribe_direct): most items only go into a
         stream buffer and wake the step loop, with no task in between."""
-        if self.bus.is_stored(m):
+        if self.ctx.bus.is_stored(m):
             self.tasks.spawn(self._handle_stored(m))
             return
         self._carry_out_later(m.subject, self._take(m.subject, m.data, live=True))
 
     async def _handle_stored(self, m: BusMsg) -> None:
-        self._carry_out_later(m.subject, self._take(m.subject, await self.bus.body(m), live=True))
+        self._carry_out_later(m.subject, self._take(m.subject, await self.ctx.bus.body(m), live=True))
 
     def _carry_out_later(self, subject: str, took: Took | None) -> None:
         if took is None:  # no room for it: the partition's input waits in the stream
@@ -274,7 +263,7 @@ class Intake:
         except (ValueError, DuplexError):
             log.warning("dropping undecodable message on %s", subject)
             return [], ""
-        r = self.runners[partition]
+        r = self.ctx.runners[partition]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
             if not self._may_take(s.cid, r.engine, live) and r.engine.wants_item(s.cid, s.edge, msg.seq):
                 return None  # (a repeat is let through: it holds nothing)
@@ -301,7 +290,7 @@ class Intake:
         call = self.calls.get(cid)
         if consumer is None or call is None or consumer not in call.partitions:
             return None
-        return self.runners[consumer]
+        return self.ctx.runners[consumer]
 
     def hand_over_item(self, cid: str, edge: str, seq: int, item: Item) -> Took | None:
         """An edge item a partition here produced, to its consumer here (None: none here, or
@@ -337,7 +326,7 @@ class Intake:
             return
         self.reads.forget(cid)
         for p in call.partitions:
-            r = self.runners[p]
+            r = self.ctx.runners[p]
             async with r.lock:
                 r.engine.drop_call(cid)
         self.freed.fire()
@@ -349,7 +338,7 @@ class Intake:
         call = self.calls.get(cid)
         if call is None:
             return
-        if all(cid not in self.runners[p].engine for p in call.partitions):
+        if all(cid not in self.ctx.runners[p].engine for p in call.partitions):
             self.calls.pop(cid, None)
             self.reads.forget(cid)
             self._unsubscribe_later(call)

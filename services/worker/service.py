@@ -17,7 +17,7 @@ import time
 from models.registry import served_model
 from services.worker import engine as eng
 from services.worker.assignment import Assignment
-from services.worker.calls import AssignedCall, Runner
+from services.worker.calls import AssignedCall, Context, Runner
 from services.worker.flow import Bounds
 from services.worker.intake import Intake
 from services.worker.stepper import Stepper
@@ -71,12 +71,10 @@ class WorkerService:
         bounds = Bounds(config.worker_call_buffer_bytes, config.worker_buffer_bytes)  # flow control
         # The intake hands what it takes to the stepper, which hands edges within this
         # process back to it: the one is built first, with the other's carry_out behind a method.
-        self.intake = Intake(self.worker_id, lambda: self.bus, topo, self.runners, bounds, self.metrics, self._carry_out)
-        window_s = config.step_window_ms / 1000
-        self.stepper = Stepper(self.worker_id, lambda: self.bus, self.runners, self.intake, self.metrics, window_s)
-        self.assignment = Assignment(
-            self.worker_id, lambda: self.bus, self.runners, self.intake, lambda: self._accepting, lambda: self.capacity
-        )
+        ctx = Context(self.worker_id, lambda: self.bus, self.runners, self.metrics)
+        self.intake = Intake(ctx, topo, bounds, self._carry_out)
+        self.stepper = Stepper(ctx, self.intake, config.step_window_ms / 1000)
+        self.assignment = Assignment(ctx, self.intake, lambda: self._accepting, lambda: self.capacity)
 
     @property
     def bus(self) -> BusConnection:

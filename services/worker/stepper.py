@@ -12,13 +12,11 @@ import time
 import msgspec
 
 from services.worker import engine as eng
-from services.worker.calls import BusOf, Runner
+from services.worker.calls import Context, Runner
 from services.worker.intake import Intake
 from shared.bus import subjects, wire
-from shared.bus.connection import BusConnection
 from shared.bus.store_behind import StoreBehind
 from shared.runtime.errors import WorkerFailed
-from shared.runtime.metrics import WorkerMetrics
 from shared.runtime.process import cancel_and_wait
 from shared.sdk.model import StepInput
 
@@ -31,27 +29,17 @@ class Stepper:
 
     def __init__(
         self,
-        worker_id: str,
-        bus: BusOf,
-        runners: dict[str, Runner],
+        ctx: Context,
         intake: Intake,
-        metrics: WorkerMetrics,
         step_window_s: float,
     ) -> None:
-        self.worker_id = worker_id
-        self._bus = bus
-        self.runners = runners
+        self.ctx = ctx
         self.intake = intake
-        self.metrics = metrics
         self.step_window_s = step_window_s
         self.ends = StoreBehind(self._store_once)  # edge ends, dones and aborts, stored with an ack
 
-    @property
-    def bus(self) -> BusConnection:
-        return self._bus()
-
     async def run(self) -> None:
-        loops = [asyncio.create_task(self._step_loop(name, r), name=f"step {name}") for name, r in self.runners.items()]
+        loops = [asyncio.create_task(self._step_loop(name, r), name=f"step {name}") for name, r in self.ctx.runners.items()]
         loops.append(asyncio.create_task(self.ends.run(), name="ends"))
         try:
             await asyncio.gather(*loops)  # one that fails fails the worker's run, the others stopped here
@@ -85,8 +73,8 @@ class Stepper:
                 emissions = await asyncio.to_thread(r.engine.partition.step, batch)
             else:
                 emissions = r.engine.partition.step(batch)
-            self.metrics.step_seconds.labels(name).observe(time.perf_counter() - start)
-            self.metrics.batch_size.labels(name).observe(len(batch))
+            self.ctx.metrics.step_seconds.labels(name).observe(time.perf_counter() - start)
+            self.ctx.metrics.batch_size.labels(name).observe(len(batch))
             return r.engine.complete(batch, emissions)
         except Exception:  # model code: a model bug fails the batch's calls, not the process (I-4)
             log.exception("step of %s failed", name)
@@ -101,10 +89,10 @@ class Stepper:
                 body = wire.encode(
                     wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
                 )
-                await self.bus.publish(subjects.out(a.cid), body)
+                await self.ctx.bus.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
-                await self.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
+                await self.ctx.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (took := self.intake.hand_over_item(a.cid, a.edge, a.seq, a.item)) is not None:
                     await self.carry_out(*took)
             elif isinstance(a, eng.PublishEdgeEnd):
@@ -113,7 +101,7 @@ class Stepper:
                 if (took := self.intake.hand_over_end(a.cid, a.edge, a.total)) is not None:
                     await self.carry_out(*took)
             elif isinstance(a, eng.PublishDone):
-                done = wire.Done(partition=partition, worker_id=self.worker_id, outputs=a.outputs, usage=a.usage)
+                done = wire.Done(partition=partition, worker_id=self.ctx.worker_id, outputs=a.outputs, usage=a.usage)
                 # The call is let go only once its done is stored: a worker that stopped before
                 # that would leave the conductor waiting on a done that never comes.
                 then = functools.partial(self.intake.partition_finished, a.cid, partition)
@@ -124,4 +112,4 @@ class Stepper:
                 await self.intake.forget(a.cid)
 
     async def _store_once(self, subject: str, body: bytes) -> None:
-        await self.bus.store_once(subject, body)
+        await self.ctx.bus.store_once(subject, body)
