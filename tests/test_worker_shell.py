@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -14,10 +17,10 @@ from services.worker import engine as eng
 from services.worker.assignment import TAKE_FAILED
 from services.worker.calls import AssignedCall
 from services.worker.service import WorkerService
-from shared.bus import wire
-from shared.bus.connection import BusConnection
+from shared.bus import subjects, wire
+from shared.bus.connection import BusConnection, BusMsg
 from shared.runtime.config import parse_config
-from shared.runtime.errors import BusTimeout, BusUnavailable, ConfigError
+from shared.runtime.errors import BusDenied, BusError, BusTimeout, BusUnavailable, ConfigError
 from shared.sdk.chunking import Item
 from shared.sdk.model import CallInfo, Emission, StepInput
 
@@ -139,3 +142,158 @@ async def test_a_barrier_the_bus_could_not_store_is_only_warned_of_and_a_bug_is_
     bus.error = TypeError("a bug")
     with pytest.raises(TypeError):
         await w.intake._barrier(call)
+
+
+@dataclasses.dataclass
+class _Request:
+    """A request as a handler gets it (BusMsg): no respond() of its own to call."""
+
+    subject: str
+    data: bytes
+    reply: str = "_INBOX.x"
+    headers: dict[str, str] | None = None
+
+
+class _Answers:
+    """A stand-in bus that takes answers, or fails them with `error`."""
+
+    def __init__(self) -> None:
+        self.answered: list[tuple[BusMsg, bytes]] = []
+        self.error: BusError | None = None
+
+    async def answer(self, msg: BusMsg, body: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        self.answered.append((msg, body))
+
+
+async def test_an_assignment_is_answered_through_the_connection_and_a_lost_answer_is_only_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """BusConnection.answer maps nats-py's errors to BusErrors; the conductor takes an answer
+    that never comes for a refusal, so the handler warns and goes on."""
+    w = WorkerService(parse_config({}), "echo", ["Talker"])
+    w._accepting = False  # refused at once: no call to set up on a bus
+    bus = _Answers()
+    w.assignment.ctx = dataclasses.replace(w.assignment.ctx, bus_of=lambda: cast(BusConnection, bus))
+    msg = _Request("ctl.worker.w.assign", wire.encode(wire.Assign(cid="c", model="echo", partitions=["Talker"])))
+    await w.assignment.on_assign(msg)
+    [(to, body)] = bus.answered
+    assert to is msg and wire.decode_as(body, wire.AssignReply).error == "worker is shutting down"
+    bus.error = BusUnavailable("answering ctl.worker.w.assign", "connection closed")
+    with caplog.at_level(logging.WARNING, logger="services.worker.assignment"):
+        await w.assignment.on_assign(msg)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the answer to an assignment was not sent: answering ctl.worker.w.assign: connection closed"
+    ]
+
+
+class _Refuses:
+    """A stand-in bus whose store_once refuses for good the subjects `refused` says."""
+
+    def __init__(self, refused: Callable[[str], bool]) -> None:
+        self.refused = refused
+        self.tried: list[str] = []
+        self.bodies: dict[str, bytes] = {}
+
+    async def store_once(self, subject: str, body: bytes) -> None:
+        self.tried.append(subject)
+        self.bodies[subject] = body
+        if self.refused(subject):
+            raise BusDenied(f"storing {subject}", "permissions violation")
+
+
+async def _ends_stored(w: WorkerService, bus: _Refuses, *actions: tuple[eng.Action, str]) -> None:
+    """Carry out `actions` (action, partition), the stepper's ends stored against `bus`
+    until none is left."""
+    w.stepper.ctx = dataclasses.replace(w.stepper.ctx, bus_of=lambda: cast(BusConnection, bus))
+    for action, partition in actions:
+        await w.stepper.carry_out([action], partition)
+    ends = asyncio.create_task(w.stepper.ends.run())
+    try:
+        deadline = time.monotonic() + 5
+        while len(w.stepper.ends) or len(w.intake.tasks):
+            assert time.monotonic() < deadline, "the ends were not stored"
+            await asyncio.sleep(0.005)
+    finally:
+        ends.cancel()
+        await asyncio.gather(ends, return_exceptions=True)
+
+
+def _running(partitions: list[str]) -> WorkerService:
+    """A worker with call "c" assigned to `partitions`, running in each."""
+    w = WorkerService(parse_config({}), "echo", partitions)
+    w.intake.calls["c"] = AssignedCall("c", list(partitions))
+    for p in partitions:
+        w.runners[p].engine.add_call("c")
+    return w
+
+
+REFUSED_ABORT = "partition Encoder could not store its results"
+
+
+async def test_a_call_whose_done_is_refused_for_good_is_failed_and_dropped() -> None:
+    """Without its done the conductor would wait on the call for ever: it is failed (its abort
+    names the partition, not the bus's text) and let go here, its other partition's state
+    with it."""
+    w = _running(["Encoder", "Talker"])
+    w.runners["Encoder"].engine.drop_call("c")  # as the engine does when it emits the done
+    bus = _Refuses(lambda s: s == subjects.done("c", "Encoder"))
+    await _ends_stored(w, bus, (eng.PublishDone("c", 0, {}), "Encoder"))
+    assert bus.tried == [subjects.done("c", "Encoder"), subjects.abort("c")]
+    abort = wire.decode_as(bus.bodies[subjects.abort("c")], wire.Abort)
+    assert (abort.reason, abort.status) == (REFUSED_ABORT, 500)
+    assert "c" not in w.calls and "c" not in w.runners["Talker"].engine
+    assert w.stepper.ends.failures == 1
+
+
+async def test_a_call_whose_edge_end_is_refused_for_good_is_failed_and_dropped() -> None:
+    """The edge's consumer on another worker would wait on the end for ever."""
+    w = _running(["Encoder"])
+    bus = _Refuses(lambda s: s == subjects.edge_end("c", "frames"))
+    await _ends_stored(w, bus, (eng.PublishEdgeEnd("c", "frames", 3), "Encoder"))
+    assert bus.tried == [subjects.edge_end("c", "frames"), subjects.abort("c")]
+    assert "c" not in w.calls and "c" not in w.runners["Encoder"].engine
+
+
+async def test_a_call_with_every_end_refused_is_failed_once() -> None:
+    """Both dones refused in one batch fail the call once, and its abort refused too is only
+    logged: it is not sent again, and nothing else fails the call again."""
+    w = _running(["Encoder", "Talker"])
+    for r in w.runners.values():
+        r.engine.drop_call("c")
+    bus = _Refuses(lambda s: True)
+    await _ends_stored(w, bus, (eng.PublishDone("c", 0, {}), "Encoder"), (eng.PublishDone("c", 0, {}), "Talker"))
+    assert bus.tried == [subjects.done("c", "Encoder"), subjects.done("c", "Talker"), subjects.abort("c")]
+    assert "c" not in w.calls and w.stepper.ends.failures == 3
+
+
+@pytest.mark.parametrize("error", [BusUnavailable("reading call.c.in.>", "no server"), TypeError("a bug")])
+async def test_a_catch_up_read_warns_of_a_bus_failure_and_leaves_a_bug_to_its_task_set(
+    error: Exception, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gap and stall reads try again after the bus's failure (one line); a bug is not
+    passed off as one: it ends the task, whose TaskSet logs it with its traceback."""
+    w = _running(["Talker"])
+
+    async def no_barrier(call: AssignedCall) -> None:
+        pass
+
+    async def read_on(call: AssignedCall, r: Any) -> bool | None:
+        raise error
+
+    w.intake._barrier = no_barrier  # type: ignore[method-assign]
+    w.intake._read_on = read_on  # type: ignore[method-assign]
+    read = w.intake.reads.subscribed("c", "Talker", w.runners["Talker"].engine.input_edges(), now=0.0)
+    with caplog.at_level(logging.WARNING):
+        w.intake._start_read(read)
+        task = w.calls["c"].catchups["Talker"]
+        await asyncio.wait([task], timeout=5)
+    assert not w.intake.reads.reading("c", "Talker")  # ended: the next gap or stall read may start
+    lines = [(r.name, r.levelno, r.exc_info is not None) for r in caplog.records]
+    if isinstance(error, BusError):
+        assert task.exception() is None
+        assert lines == [("services.worker.intake", logging.WARNING, False)]
+    else:
+        assert task.exception() is error
+        assert lines == [("shared.runtime.process", logging.ERROR, True)]

@@ -190,10 +190,8 @@ class Intake:
                 await self._subscribe_inputs(call, [r.partition])
                 self.reads.resumed(cid, r.partition, time.monotonic())
                 await self._barrier(call)  # what was left in the stream before the subscriptions is stored before it
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a side task's failure is logged nowhere else; the gap and stall reads try again
-            log.exception("catch-up read for %s, %s failed", cid, r.partition)
+        except BusError as e:  # the gap and stall reads try again; a bug ends the task, and TaskSet logs it
+            log.warning("catch-up read for %s, %s failed: %s", cid, r.partition, e)
         finally:
             self.reads.read_ended(cid, r.partition, r.read_id)
 

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -16,7 +17,7 @@ from services.worker.calls import Context, Runner
 from services.worker.intake import Intake
 from shared.bus import subjects, wire
 from shared.bus.store_behind import StoreBehind
-from shared.runtime.errors import WorkerFailed
+from shared.runtime.errors import DuplexError, WorkerFailed
 from shared.runtime.process import cancel_and_wait
 from shared.sdk.model import StepInput
 
@@ -97,7 +98,8 @@ class Stepper:
                     await self.carry_out(*took)
             elif isinstance(a, eng.PublishEdgeEnd):
                 # Stored behind (self.ends): the step loop does not wait for the ack.
-                self.ends.put(subjects.edge_end(a.cid, a.edge), wire.encode(wire.EdgeEnd(total=a.total)))
+                body = wire.encode(wire.EdgeEnd(total=a.total))
+                self.ends.put(subjects.edge_end(a.cid, a.edge), body, failed=self._fail_on_refusal(a.cid, partition))
                 if (took := self.intake.hand_over_end(a.cid, a.edge, a.total)) is not None:
                     await self.carry_out(*took)
             elif isinstance(a, eng.PublishDone):
@@ -105,11 +107,28 @@ class Stepper:
                 # The call is let go only once its done is stored: a worker that stopped before
                 # that would leave the conductor waiting on a done that never comes.
                 then = functools.partial(self.intake.partition_finished, a.cid, partition)
-                self.ends.put(subjects.done(a.cid, partition), wire.encode(done), then)
+                self.ends.put(subjects.done(a.cid, partition), wire.encode(done), then, self._fail_on_refusal(a.cid, partition))
             elif isinstance(a, eng.FailCall):
-                log.info("call %s failed in %s: %s", a.cid, partition, a.error.message)
-                self.ends.put(subjects.abort(a.cid), wire.encode(wire.Abort(reason=a.error.message, status=a.error.status)))
-                await self.intake.forget(a.cid)
+                await self._fail(a.cid, partition, a.error)
+
+    async def _fail(self, cid: str, partition: str, error: DuplexError) -> None:
+        """The call's abort, stored behind (the conductor passes it on to the client; an abort
+        refused for good is only logged: nothing else would tell anyone), and its state here
+        dropped."""
+        log.info("call %s failed in %s: %s", cid, partition, error.message)
+        self.ends.put(subjects.abort(cid), wire.encode(wire.Abort(reason=error.message, status=error.status)))
+        await self.intake.forget(cid)
+
+    def _fail_on_refusal(self, cid: str, partition: str) -> Callable[[Exception], Awaitable[None]]:
+        """What StoreBehind calls where it gave up on a done or edge end (refused for good: it
+        logged why). Without it the conductor, or the edge's consumer elsewhere, would wait on
+        the call for ever: the call is failed instead, as a model's failure fails it."""
+
+        async def failed(error: Exception) -> None:
+            if cid in self.intake.calls:  # not failed already (its other message refused), nor ended
+                await self._fail(cid, partition, WorkerFailed(f"partition {partition} could not store its results"))
+
+        return failed
 
     async def _store_once(self, subject: str, body: bytes) -> None:
         await self.ctx.bus.store_once(subject, body)

@@ -68,10 +68,6 @@ class BusMsg(Protocol):
     @property
     def reply(self) -> str: ...
 
-    # Raises nats-py's errors: new code answers with `BusConnection.answer`. Kept while the
-    # worker's assignment handler still answers with it.
-    async def respond(self, data: bytes) -> None: ...
-
 
 class BusSubscription(Protocol):
     """A subscription as services hold it: they end it with `BusConnection.unsubscribe_all`."""
