@@ -29,8 +29,31 @@ async def ws(stack: Stack) -> AsyncIterator[WS]:
     await sock.close()
 
 
+# Modules that keep both cores busy by themselves (real models decoding, twenty uploads at
+# full speed, image builds): `make test` runs them one after another in one xdist worker, so
+# no two of them compete for the cores, while the other workers take the rest.
+HEAVY = frozenset(
+    {
+        "test_compose",
+        "test_container_cleanup",
+        "test_container_nats",
+        "test_fast_clients",
+        "test_browser",
+        "test_eval_voice",
+        "test_realtime_voice",
+        "test_voice_e2e",
+        "test_voice_assistant",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.mark_integration(items)
+    for item in items:
+        # One group per module otherwise: a module's stack is booted once, in one worker.
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("heavy" if module in HEAVY else module))
 
 
 @pytest.fixture(autouse=True)
