@@ -176,6 +176,85 @@ def test_a_refusal_from_a_worker_the_call_has_left_is_ignored() -> None:
     assert "a" in c.calls and c.calls["a"].state is not core.CallState.FINISHED
 
 
+DRAINING = "worker is shutting down"  # services/worker/assignment.py's words, as a worker of any release sends them
+
+
+def test_a_worker_that_refuses_as_draining_hands_the_call_to_another_worker() -> None:
+    """Placed on w1 in the instant after its SIGTERM, before its heartbeat said so: w1 refuses,
+    and the call goes to w2 instead of ending with 503. Before, it ended."""
+    c = conductor()
+    c.handle(hb("w1", PARTS, capacity=10))
+    c.handle(hb("w2", PARTS, capacity=5))
+    assert assigns(c.handle(opened("a"))) == {"w1": PARTS}
+    acts = c.handle(core.AssignResult("a", "w1", tuple(PARTS), False, DRAINING))
+    assert not fins(acts) and assigns(acts) == {"w2": PARTS}
+    assert c.calls["a"].placement == {"Encoder": "w2", "Talker": "w2"} and "a" not in c.workers["w1"].calls
+    ack_all(c, "a", acts)
+    assert c.calls["a"].state is core.CallState.RUNNING
+    # Until its next heartbeat, w1 gets no new call either.
+    assert assigns(c.handle(opened("b"))) == {"w2": PARTS}
+    c.handle(core.InputEnded("a", "audio_in", 1))
+    c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w2", outputs=0)))
+    done = fins(c.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w2", outputs=1))))
+    assert done[0].status == 200
+
+
+def test_a_busy_refusal_asks_each_worker_once_then_refuses_as_usual() -> None:
+    """Every worker refuses as full (their heartbeats lagged): the call is not bounced between
+    them, it ends with the usual 503 once each was asked once."""
+    c = conductor()
+    c.handle(hb("w1", PARTS, capacity=10))
+    c.handle(hb("w2", PARTS, capacity=5))
+    c.handle(opened("a"))
+    to_w2 = c.handle(core.AssignResult("a", "w1", tuple(PARTS), False, "worker w1 is full (10 calls)"))
+    assert assigns(to_w2) == {"w2": PARTS}
+    c.handle(hb("w1", PARTS, capacity=10))  # a heartbeat offering slots again: still not asked twice
+    ended = c.handle(core.AssignResult("a", "w2", tuple(PARTS), False, "worker w2 is full (5 calls)"))
+    assert not assigns(ended)
+    f = fins(ended)[0]
+    assert f.status == 503 and "no worker can take" in (f.error or "") and "a" not in c.calls
+    assert not c.workers["w1"].calls and not c.workers["w2"].calls  # no slot kept for it
+
+
+def test_a_busy_refusal_moves_only_the_refused_partitions() -> None:
+    """Encoder runs on w1; Talker, placed on w2 as it began to drain, goes to w3. w1 keeps its
+    partition and its slot."""
+    c = conductor()
+    c.handle(hb("w1", ["Encoder"], capacity=10))
+    c.handle(hb("w2", ["Talker"], capacity=10))
+    c.handle(hb("w3", ["Talker"], capacity=5))
+    c.handle(opened("a"))
+    c.handle(core.AssignResult("a", "w1", ("Encoder",), True))
+    acts = c.handle(core.AssignResult("a", "w2", ("Talker",), False, DRAINING))
+    assert assigns(acts) == {"w3": ["Talker"]} and not fins(acts)
+    assert c.calls["a"].placement == {"Encoder": "w1", "Talker": "w3"} and "a" in c.workers["w1"].calls
+    c.handle(core.AssignResult("a", "w3", ("Talker",), True))
+    assert c.calls["a"].state is core.CallState.RUNNING
+
+
+def test_a_busy_refusal_by_the_only_worker_is_the_usual_503() -> None:
+    """No other worker serves the partition: the call ends at once with 503, as a call opened
+    while every worker is full does (not after placement_timeout_s)."""
+    c = conductor(placement_timeout_s=5)
+    c.handle(hb("w1", PARTS))
+    c.handle(opened("a", now=100.0))
+    acts = c.handle(core.AssignResult("a", "w1", tuple(PARTS), False, DRAINING))
+    assert not assigns(acts)
+    f = fins(acts)[0]
+    assert f.status == 503 and "no worker can take" in (f.error or "") and "a" not in c.calls
+
+
+def test_a_refusal_that_is_not_busy_still_fails_the_call() -> None:
+    """A model's failure to take the call is not the worker's load: the call ends, as before."""
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    c.handle(hb("w2", PARTS))
+    c.handle(opened("a"))
+    first = next(iter(c.calls["a"].placement.values()))
+    acts = c.handle(core.AssignResult("a", first, tuple(PARTS), False, "internal error: the worker could not take the call"))
+    assert not assigns(acts) and fins(acts)[0].status == 503
+
+
 def test_restore_from_records_carries_on() -> None:
     c = conductor()
     c.handle(hb("w1", PARTS))

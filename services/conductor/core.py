@@ -9,6 +9,7 @@ liveness.
 from __future__ import annotations
 
 import enum
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,18 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.states import checked
 
 KWARGS_INLINE_MAX = 64 * 1024  # larger model_kwargs are read by workers from the call's open message
+
+# A worker's refusals that say it takes no new call now (it is draining after a SIGTERM, or
+# full), not that the call is at fault: the conductor's view of it was late, and the call is
+# placed on another worker. The worker (services/worker/assignment.py) and a model's engine
+# (models/tiny_duplex.py) word them so; the text, not a field, because a worker of the release
+# before speaks only the text, and a rolling upgrade mixes the two.
+BUSY_REFUSAL = re.compile(r"worker is shutting down|worker \S+ is full|slots of this partition are in use")
+
+
+def busy_refusal(error: str | None) -> bool:
+    """Whether a refused assignment may be tried on another worker (see BUSY_REFUSAL)."""
+    return error is not None and BUSY_REFUSAL.search(error) is not None
 
 
 class CallState(enum.Enum):
@@ -178,6 +191,10 @@ class Call:
     waiting_since: float = 0.0
     request_id_revision: int = 0
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
+    # Workers that refused this placement as busy (draining, full): not asked again until the
+    # call is placed, so a placement asks each worker at most once. Not saved: a restored
+    # call is taken as placed.
+    refused_by: set[str] = field(default_factory=set)
 
     def move(self, to: CallState) -> None:
         self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
@@ -336,7 +353,7 @@ class Conductor:
         for p in wanted:
             serving = [w for w in self.workers.values() if w.model == call.model and p in w.partitions]
             # A worker already running another partition of this call needs no second slot.
-            candidates = [w for w in serving if call.cid in w.calls or w.free > 0]
+            candidates = [w for w in serving if (call.cid in w.calls or w.free > 0) and w.worker_id not in call.refused_by]
             if not serving or not candidates:
                 for t in taken:
                     t.calls.discard(call.cid)
@@ -387,13 +404,34 @@ class Conductor:
         if not ev.ok:
             if not any(call.placement.get(p) == ev.worker_id for p in ev.partitions):
                 return []  # placed elsewhere since (that worker was lost): its refusal is old news
+            if busy_refusal(ev.error):
+                return self._place_elsewhere(call, ev)
             return self._abort(call.cid, f"worker {ev.worker_id} refused the call: {ev.error}", 503, notify_workers=True)
         call.acked.update(p for p in ev.partitions if call.placement.get(p) == ev.worker_id)
         if call.state is CallState.PLACING and call.acked >= set(call.partitions):
+            call.refused_by.clear()  # placed: a later placement (a worker lost) may ask them again
             # Not saved: the record already holds the placement, and a restored PLACING call is
             # taken as placed (restore), which is what this state says.
             call.move(CallState.INPUT_ENDED if not call.open_streams else CallState.RUNNING)
         return []
+
+    def _place_elsewhere(self, call: Call, ev: AssignResult) -> list[Action]:
+        """A worker refused as busy: it took nothing, so the partitions it was asked for go to
+        another worker, by the usual placement (none serving: the call waits; none free: 503)."""
+        refused = [p for p in ev.partitions if call.placement.get(p) == ev.worker_id and p not in call.acked]
+        if not refused:
+            return []
+        call.refused_by.add(ev.worker_id)
+        worker = self.workers.get(ev.worker_id)
+        if worker is not None:
+            # No call goes there until its next heartbeat says what it takes (a draining
+            # worker's says nothing, a full one's its load).
+            worker.capacity = 0
+            if not any(w == ev.worker_id for p, w in call.placement.items() if p not in refused):
+                worker.calls.discard(call.cid)  # the slot taken for this call is not held
+        for p in refused:
+            del call.placement[p]
+        return self._place(call, only=refused)
 
     # -- progress ------------------------------------------------------------
     def _input_ended(self, ev: InputEnded) -> list[Action]:
