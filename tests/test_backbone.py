@@ -21,6 +21,7 @@ from shared.sdk.audio import encode_wav
 from tests.support.audio import echo_bytes, padded, pcm_file
 from tests.support.bus import delivered
 from tests.support.client import WS
+from tests.support.poll import until
 from tests.support.stack import Stack, running_stack
 
 
@@ -76,6 +77,16 @@ async def test_twenty_concurrent_live_calls_every_byte_in_order(stack: Stack) ->
         await ws.close()
 
 
+async def conductor_caught_up(nats_url: str) -> bool:
+    """The conductor's durable consumer has nothing left to deliver and nothing unacked."""
+    nc = await nats.connect(nats_url)
+    try:
+        info = await nc.jetstream().consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
+    finally:
+        await nc.close()
+    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+
 async def test_conductor_messages_do_not_grow_with_appends(stack: Stack) -> None:
     """I-1: the conductor receives as many messages for 1,000 appends as for 10."""
     nc = await nats.connect(stack.nats_url)
@@ -90,7 +101,9 @@ async def test_conductor_messages_do_not_grow_with_appends(stack: Stack) -> None
         before = await delivered(stack.nats_url)
         samples = np.arange(n * 160, dtype=np.int64).astype("<i2")
         await run_call(ws, f"count{n}", samples, [160] * n)
-        await asyncio.sleep(0.5)  # let the conductor's acks land
+        # The finish came after the conductor had every message of the call (it publishes the
+        # fin once both dones are in); a message it has not acked yet could be delivered again.
+        await until(lambda: conductor_caught_up(stack.nats_url), 10, "the conductor's acks")
         counts.append(await delivered(stack.nats_url) - before)
     await ws.close()
     assert counts[0] == counts[1], counts

@@ -14,6 +14,7 @@ from services.frontend.realtime import endpoint
 from services.frontend.realtime.endpoint import EventSender, LiveSession, RealtimeHub
 from services.frontend.service import FrontendService
 from shared.runtime.config import ServingConfig
+from tests.support.poll import until
 
 SLOW_STOP_S = 0.3
 MAX_BYTES = 2000  # max_send_buffer_mb of these outboxes: past twice this the client is not reading
@@ -41,8 +42,11 @@ class StandInSocket:
         self.sent: list[str] = []
         self.closed: list[tuple[int, str]] = []
         self.stall_sends = False
+        self.receiving = False  # a receive is under way (the handler is running)
+        self.stalled = 0  # sends stuck so far
 
     async def receive(self) -> dict[str, Any]:
+        self.receiving = True
         try:
             await asyncio.Event().wait()
         finally:
@@ -51,6 +55,7 @@ class StandInSocket:
 
     async def send_text(self, text: str) -> None:
         if self.stall_sends:
+            self.stalled += 1
             try:
                 await asyncio.Event().wait()
             finally:
@@ -94,7 +99,7 @@ async def test_cancelling_a_handler_while_its_outbox_writer_stops_is_not_swallow
     sock.stall_sends = True
     outbox = EventSender(as_ws(sock), MAX_BYTES)
     outbox.send(b'{"type": "x"}')
-    await asyncio.sleep(0.01)  # the writer took it and is stuck sending
+    await until(lambda: sock.stalled, 5, "the writer stuck sending")
     after: list[str] = []
 
     async def handler() -> None:
@@ -123,7 +128,7 @@ async def test_cancelling_a_handler_while_its_receive_stops_is_not_swallowed(hub
         after.append("went on")
 
     task = asyncio.create_task(handler())
-    await asyncio.sleep(0.01)
+    await until(lambda: sock.receiving, 5, "the handler receiving")
     session.close_code = (1000, "session closed")
     session.closed.set()
     got = await cancelled_while_waiting(task)
@@ -159,7 +164,7 @@ async def test_a_session_whose_client_is_not_reading_waits_for_a_resume(hub: Rea
     session = live_session(hub)
     session.attach(outbox)
     run = asyncio.create_task(hub._run(as_ws(sock), outbox, session))
-    await asyncio.sleep(0.01)
+    await until(lambda: sock.receiving, 5, "the handler receiving")
     for i in range(40):
         session.deliver(session.core.error("invalid_value", f"event {i} the client does not read"))
     await asyncio.wait_for(run, 10)

@@ -10,14 +10,18 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
 INTERVAL_S = 0.05  # short against any timeout a test waits on, long enough not to busy the loop
 
 
-async def until(predicate: Callable[[], T | Awaitable[T]], timeout: float, what: str, interval: float = INTERVAL_S) -> T:
+@overload
+async def until(predicate: Callable[[], Awaitable[T]], timeout: float, what: str, interval: float = ...) -> T: ...
+@overload
+async def until(predicate: Callable[[], T], timeout: float, what: str, interval: float = ...) -> T: ...
+async def until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = INTERVAL_S) -> Any:
     """The predicate's first truthy value, polled every `interval` seconds (plain or async);
     TimeoutError naming `what` (and the last value) if none comes within `timeout` seconds."""
     deadline = time.monotonic() + timeout
