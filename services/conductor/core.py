@@ -24,10 +24,10 @@ KWARGS_INLINE_MAX = 64 * 1024  # larger model_kwargs are read by workers from th
 
 # A worker's refusals that say it takes no new call now (it is draining after a SIGTERM, or
 # full), not that the call is at fault: the conductor's view of it was late, and the call is
-# placed on another worker. The worker (services/worker/assignment.py) and a model's engine
-# (models/tiny_duplex.py) word them so; the text, not a field, because a worker of the release
-# before speaks only the text, and a rolling upgrade mixes the two.
-BUSY_REFUSAL = re.compile(r"worker is shutting down|worker \S+ is full|slots of this partition are in use")
+# placed on another worker. Worded so by services/worker/assignment.py (a test holds the two
+# to each other); the text, not a field, because a worker of the release before speaks only
+# the text, and a rolling upgrade mixes the two.
+BUSY_REFUSAL = re.compile(r"^worker is shutting down$|^worker \S+ is full \(")
 
 
 def busy_refusal(error: str | None) -> bool:
