@@ -35,12 +35,12 @@ engine_up() { docker info >/dev/null 2>&1; }
 
 engine() {
   if ! command -v docker >/dev/null 2>&1 && [ "${CI:-}" != true ]; then
-    echo "no docker command on this machine (install Docker to run the compose test)"
+    echo "no docker command on this machine (install Docker to run the container tests)"
     exit 3
   fi
   engine_up && return 0
   if [ "${CI:-}" != true ]; then
-    echo "no Docker engine reachable (docker info failed); the compose test needs one"
+    echo "no Docker engine reachable (docker info failed); the container tests need one"
     exit 3
   fi
   if [ "$(id -u)" != 0 ]; then
