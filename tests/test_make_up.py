@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
 import shutil
@@ -19,6 +20,7 @@ import pytest
 from shared.bus.embedded import free_port
 from shared.sdk.audio import encode_wav
 from tests.support import REPO
+from tests.support.poll import until_sync
 from tests.support.realtime import sdk_echo_is_byte_exact
 from tests.support.stack import listening, procs_mentioning
 
@@ -98,10 +100,15 @@ def test_make_up_serves_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
             os.killpg(make.pid, signal.SIGKILL)
             out, _ = make.communicate()
             pytest.fail(f"make up did not stop on Ctrl-C:\n{out}")
-    time.sleep(0.5)
     assert "stopped" in out
     nats_url = next(line.split(" on ")[1].split(",")[0] for line in out.splitlines() if "nats-server (embedded)" in line)
     nats_at = nats_url.removeprefix("nats://")  # host:port; the children's NATS_URL has credentials before it
+
+    def all_gone() -> bool:  # a child may be reaped a moment after make itself exits
+        return not (procs_mentioning(str(run_dir)) or procs_mentioning(f"@{nats_at}") or listening(port))
+
+    with contextlib.suppress(TimeoutError):  # what is left is named by the asserts below
+        until_sync(all_gone, 10, "make up's processes gone")
     assert not procs_mentioning(str(run_dir)), procs_mentioning(str(run_dir))
     # every child had NATS_URL set to the embedded server: none of them is left
     assert not procs_mentioning(f"@{nats_at}"), procs_mentioning(nats_at)

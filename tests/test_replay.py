@@ -149,7 +149,7 @@ async def test_follow_tails_a_live_call_until_it_ends(stack: Stack) -> None:
     ws = await WS.connect(stack.ws_url())
     # The opening carries the first frame: its item is stored before the call's open.
     await ws.send({"request_id": rid, "files": [pcm_file(SAMPLES[:FRAME])]})
-    await asyncio.sleep(0.3)
+    await ws.until(lambda m: m.get("request_id") == rid and "output" in m, keep=True)  # open, and an output to follow
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "duplexbus.cli", "replay", rid, "--follow", "--nats-url", stack.nats_url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

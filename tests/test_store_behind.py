@@ -23,6 +23,7 @@ from shared.bus.store_behind import StoreBehind
 from shared.runtime.config import parse_config
 from shared.runtime.errors import BusDenied, BusError, BusRefused, BusTimeout, BusUnavailable
 from tests.support.bus import own_nats_server
+from tests.support.poll import until
 
 
 async def test_messages_are_stored_in_order_and_then_runs_after_its_store() -> None:
@@ -42,7 +43,7 @@ async def test_messages_are_stored_in_order_and_then_runs_after_its_store() -> N
     store.put("b", b"2", then)
     store.put("c", b"3")
     assert len(store) == 3
-    await asyncio.sleep(0.01)
+    await until(lambda: len(log) == 3, 5, "three publishes")
     assert log == ["pub a", "pub b", "pub c"]  # written at once, in order, acks awaited together
     assert len(store) == 3  # not stored yet
     gate.set()
