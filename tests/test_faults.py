@@ -9,11 +9,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from nats.errors import Error as NatsError
 
 from models.echo import FRAME
+from shared.bus import subjects
 from tests.support.audio import echo_bytes, pcm_file
-from tests.support.bus import call_records
+from tests.support.bus import call_records, connected
 from tests.support.client import WS
+from tests.support.poll import until
 from tests.support.stack import Stack
 
 
@@ -22,6 +25,19 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
     s = Stack(nats_url, {"model": "echo", "placement_timeout_s": 20})
     yield s
     s.stop()
+
+
+async def end_of_input_stored(nats_url: str, rid: str) -> bool:
+    """The call's end of input is in the stream (read from its record: the conductor may be down)."""
+    cids = [cid for cid, r in (await call_records(nats_url)).items() if r.request_id == rid]
+    if not cids:
+        return False
+    async with connected(nats_url) as nc:
+        try:
+            await nc.jetstream().get_last_msg(subjects.STREAM, subjects.eoi(cids[0], "audio_in"))
+        except NatsError:  # not stored (yet)
+            return False
+    return True
 
 
 async def stream_frames(ws: WS, rid: str, samples: np.ndarray, start: int, stop: int) -> None:
@@ -73,7 +89,7 @@ async def test_conductor_killed_mid_call_restarts_and_the_call_completes(stack: 
     stack.procs["conductor"].kill()
     await stream_frames(ws, "steady", samples, 20, 40)  # data does not pass through the conductor
     await ws.send({"request_id": "steady", "end_input": True})  # its end-of-input waits in the stream
-    await asyncio.sleep(0.5)
+    await until(lambda: end_of_input_stored(stack.nats_url, "steady"), 10, "the end of input in the stream")
     stack.start_conductor()  # restores the call from KV; the durable consumer redelivers the rest
     try:
         final = await ws.final("steady", timeout=60)

@@ -20,7 +20,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from websockets.sync.client import connect
 
 from tests.support.audio import echo_bytes, padded, pcm_file
 from tests.support.client import WS
+from tests.support.poll import until_sync
 from tests.support.stack import Stack, running_stack
 
 CONFIG: dict[str, Any] = {"model": "echo", "max_message_mb": 0.25, "request_timeout_s": 30.0}
@@ -109,6 +109,7 @@ class LiveCalls:
         self.stack = stack
         self.stop = threading.Event()
         self.result: list[str] = []
+        self.running = 0  # calls that have had an output (written by the thread, read by the tests)
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _one(self, i: int) -> None:
@@ -121,7 +122,10 @@ class LiveCalls:
             x = rng.integers(-20000, 20000, int(rng.integers(1, 3000))).astype("<i2")
             sent.append(x)
             await ws.send({"request_id": rid, "append": [pcm_file(x)]})
-            await asyncio.sleep(0.05)
+            if len(sent) == 1:  # under way: its first output is back (kept for the check at the end)
+                await ws.until(lambda m: m.get("request_id") == rid and "output" in m, keep=True)
+                self.running += 1
+            await asyncio.sleep(0.05)  # the client's pace, not a wait
         await ws.send({"request_id": rid, "end_input": True})
         final = await ws.final(rid, timeout=30)
         ok = "finish" in final and echo_bytes(ws.outputs(rid)) == padded(np.concatenate(sent))
@@ -137,7 +141,7 @@ class LiveCalls:
 def live(stack: Stack) -> Iterator[LiveCalls]:
     calls = LiveCalls(stack)
     calls.thread.start()
-    time.sleep(0.5)
+    until_sync(lambda: calls.running == 3 or calls.result, 30, "the live calls under way")
     yield calls
     calls.stop.set()
     calls.thread.join(60)

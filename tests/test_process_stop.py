@@ -16,6 +16,7 @@ import pytest
 
 from shared.runtime.process import TaskSet, cancel_and_wait, run_until_stopped
 from tests.support import REPO
+from tests.support.poll import until
 
 
 async def test_a_service_that_stops_by_itself_is_not_cut_short() -> None:
@@ -122,7 +123,7 @@ async def test_cancelling_tasks_does_not_swallow_the_callers_own_cancellation() 
         after.append("went on")  # would run if cancel_and_wait swallowed the handler's cancellation
 
     h = asyncio.create_task(handler())
-    await asyncio.sleep(0.05)  # the handler waits for its writer to stop
+    await until(writer.cancelling, 5, "the handler cancelling its writer")  # and waiting for it to stop
     h.cancel()
     results = await asyncio.gather(h, return_exceptions=True)
     assert isinstance(results[0], asyncio.CancelledError) and after == []

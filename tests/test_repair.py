@@ -19,6 +19,7 @@ from shared.runtime.config import parse_config
 from shared.sdk.chunking import FixedChunkPolicy, Item, StreamBuffer
 from shared.sdk.model import CallInfo, Emission, Partition, StepInput
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from tests.support.poll import until
 
 
 def test_buffer_reports_the_first_missing_item() -> None:
@@ -177,11 +178,15 @@ async def lossy_worker(nats_url: str, drop: Callable[[str, bytes], bool]) -> Asy
     task = asyncio.create_task(svc.run(stop))
     nc = await nats.connect(nats_url)
     try:
-        for _ in range(100):
-            if svc._bus is not None:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
+
+        async def serving() -> bool:
+            """Its heartbeat is stored: it beats once subscribed to its assignments."""
+            try:
+                return await (await nc.jetstream().key_value(subjects.KV_WORKERS)).get(svc.worker_id) is not None
+            except nats.errors.Error:  # no bucket or no key yet
+                return False
+
+        await until(serving, 10, "the worker serving")
         yield svc, nc
     finally:
         stop.set()

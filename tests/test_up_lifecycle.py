@@ -27,15 +27,18 @@ import numpy as np
 import pytest
 import yaml
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
 from duplexbus.supervisor import saved_nats_url
 from models.echo import FRAME
+from shared.bus import subjects
 from shared.bus.embedded import NatsServer, StoreInUse, free_port
 from shared.runtime.process import stop_bound_s
 from tests.support.audio import echo_bytes, pcm_file
-from tests.support.bus import own_nats_server
+from tests.support.bus import bucket_keys, connected, own_nats_server
 from tests.support.client import WS
+from tests.support.poll import until_sync
 from tests.support.stack import UpStack, listening, procs_mentioning, running_stack
 
 PY = [sys.executable, "-m", "duplexbus.cli"]
@@ -196,6 +199,21 @@ def test_replay_finds_the_embedded_server_after_up_and_fails_fast_without_one(up
     assert nowhere.returncode == 1 and "no NATS URL" in nowhere.stderr and "Traceback" not in nowhere.stderr
 
 
+async def _on_the_bus(nats_url: str, role: str) -> bool:
+    """The service is up on the bus: its durable consumer is there (conductor), or its
+    heartbeat is stored (worker, frontend)."""
+    async with connected(nats_url) as nc:
+        js = nc.jetstream()
+        try:
+            if role == "conductor":
+                await js.consumer_info(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
+                return True
+            kv = await js.key_value(subjects.KV_WORKERS if role == "worker" else subjects.KV_FRONTENDS)
+            return bool(await bucket_keys(kv, tries=1))
+        except NatsError:  # not made yet
+            return False
+
+
 @pytest.mark.parametrize("role", ["conductor", "worker", "frontend"])
 def test_every_service_stops_on_sigterm_with_nats_out_of_reach(tmp_path: Path, role: str) -> None:
     """NATS gone before the service could connect, and gone while it ran: SIGTERM ends it
@@ -216,9 +234,11 @@ def test_every_service_stops_on_sigterm_with_nats_out_of_reach(tmp_path: Path, r
                 start_new_session=True,
             )
             extra = ["--port", str(free_port())] if role == "frontend" else []
-        time.sleep(4)  # connected (or trying)
+        # The one started on the live server is connected and serving; the other has been
+        # trying for at least as long.
+        until_sync(lambda: asyncio.run(_on_the_bus(server.url, role)), 30, f"the {role} up on the bus")
         server.kill()
-    time.sleep(1)
+    time.sleep(1)  # a moment without the server: neither exits of it (what is checked next)
     for case, p in procs.items():
         assert p.poll() is None, f"{role} ({case}) exited before the signal"
         p.send_signal(signal.SIGTERM)
