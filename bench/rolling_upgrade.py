@@ -8,7 +8,7 @@ removed by the next), opens a call through the gateway's published port every `-
 seconds, each streaming `--call-s` seconds of audio in real time on a socket of its own, and
 meanwhile replaces every service as docs/operations.md ("Upgrading a running deployment")
 says: new workers beside the old, the old stopped (they drain); the conductor recreated;
-new frontends beside the old, the gateway waited for, the old stopped. The image is the same
+new frontends beside the old, the gateway waited for, the old stopped one at a time. The image is the same
 (`duplexbus:latest`, from `scripts/docker.sh prepare`): every process is replaced all the
 same, the conductor by `--force-recreate` where a new image would make compose recreate it.
 
@@ -178,12 +178,30 @@ def gateway_servers(project: Project) -> list[dict[str, str]]:
     return [r for r in rows if r["pxname"] == "frontends" and r["svname"] not in ("BACKEND", "FRONTEND")]
 
 
-def gateway_sees(project: Project, n: int, deadline: float) -> None:
-    """Until the gateway has n frontends up (docs/operations.md's wait before the old go)."""
-    while sum(r["status"] == "UP" for r in gateway_servers(project)) < n:
+def gateway_sees(project: Project, n: int, deadline: float, fewer: bool = False) -> None:
+    """Until the gateway has n frontends up (or, `fewer`, no more than n): docs/operations.md's
+    waits before an old frontend is stopped."""
+    while True:
+        up = sum(r["status"] == "UP" for r in gateway_servers(project))
+        if (up <= n) if fewer else (up >= n):
+            return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the gateway has fewer than {n} frontends up")
+            raise TimeoutError(f"the gateway has {up} frontends up, not {n}")
         time.sleep(0.5)
+
+
+def stop(project: Project, service: str, old: list[str], timeline: Timeline, deadline: float) -> None:
+    """Workers all at once; frontends one at a time, each out of the gateway before the next
+    stops, so that an opening refused by one is retried on a frontend that listens."""
+    batches = [[c] for c in old] if service == "frontend" else [old]
+    for batch in batches:
+        docker("stop", *batch, timeout=120)
+        for c in batch:  # what they said while they drained, for the report
+            said = docker("logs", "--tail", "200", c).splitlines()
+            timeline.said += [f"{service} {c[:12]}: {line[:200]}" for line in said if "WARNING" in line or "ERROR" in line]
+        docker("rm", *batch)
+        if service == "frontend":
+            gateway_sees(project, len(project.containers(service)), deadline, fewer=True)
 
 
 def replace(project: Project, service: str, timeline: Timeline, deadline: float) -> None:
@@ -196,11 +214,7 @@ def replace(project: Project, service: str, timeline: Timeline, deadline: float)
     if service == "frontend":
         gateway_sees(project, 2 * len(old), deadline)
     timeline.mark(f"{service}s: new healthy, stopping the old")
-    docker("stop", *old, timeout=120)
-    for c in old:  # what they said while they drained, for the report
-        said = docker("logs", "--tail", "200", c).splitlines()
-        timeline.said += [f"{service} {c[:12]}: {line[:200]}" for line in said if "WARNING" in line or "ERROR" in line]
-    docker("rm", *old)
+    stop(project, service, old, timeline, deadline)
     timeline.mark(f"{service}s: old stopped and removed")
 
 
