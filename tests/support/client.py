@@ -38,7 +38,12 @@ class WS:
 
     @classmethod
     async def connect(cls, url: str) -> WS:
-        return cls(await websockets.connect(url, max_size=None))
+        # max_queue=None: the connection reads whatever comes, however long the test leaves
+        # it in the buffer. With websockets' default (16 frames) it stops reading the socket
+        # once a test that only sends (a live call that reads its outputs at the end) has 16
+        # unread: its keepalive pongs then wait behind them, and 20 s after its next ping it
+        # closes its own call (1011 "keepalive ping timeout"). A real client reads as it goes.
+        return cls(await websockets.connect(url, max_size=None, max_queue=None))
 
     async def send(self, msg: Message | str) -> None:
         await self.ws.send(msg if isinstance(msg, str) else json.dumps(msg))
