@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import pytest
 from testcontainers.compose import DockerCompose
-from testcontainers.core.config import testcontainers_config
+from testcontainers.core.config import ConnectionMode, testcontainers_config
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.wait_strategies import HttpWaitStrategy
 
@@ -271,16 +271,27 @@ def compose_project(name: str, services: list[str] | None = None, **env: str) ->
     return Project(context=REPO, compose_file_name=COMPOSE_FILES, services=services, project=name, env=env)
 
 
+# The tests reach what they start on loopback alone: left to itself, testcontainers (seeing it
+# runs inside a container) takes the engine's bridge gateway (a private network address) for
+# the host, and publishes ports on every interface.
+if testcontainers_config.tc_host_override is None and testcontainers_config.connection_mode_override is None:
+    testcontainers_config.tc_host_override = "127.0.0.1"
+    testcontainers_config.connection_mode_override = ConnectionMode.docker_host
+LOOPBACK_ANY_PORT = ("127.0.0.1", None)  # docker-py: on loopback, a port the engine picks
+
+
 def nats_container() -> DockerContainer:
     """NATS with JetStream from the compose file's image (not started), ready once its
-    health says JetStream is up, labelled with the run."""
-    return (
+    health says JetStream is up, labelled with the run, its ports published on loopback."""
+    container = (
         DockerContainer(NATS_IMAGE)
         .with_command(["-js", "-m", "8222"])
-        .with_exposed_ports(4222, 8222)
         .with_kwargs(labels=run_labels())
         .waiting_for(HttpWaitStrategy(8222, "/healthz?js-enabled-only=true").with_startup_timeout(60))
     )
+    ports: dict[int, object] = container.ports  # type: ignore[assignment]  # docker-py takes (host, port) too
+    ports.update({4222: LOOPBACK_ANY_PORT, 8222: LOOPBACK_ANY_PORT})
+    return container
 
 
 def nats_url(container: DockerContainer) -> str:
