@@ -134,14 +134,27 @@ wheelhouse() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return 0
   fi
-  say "building wheelhouse/ (the dependencies as wheels; torch==2.13.0, CPU)"
   find wheelhouse -name '*.whl' -delete
+  # A wheelhouse made for the same key before (another clone on this machine, as a CI run is)
+  # is taken from the cache: a minute less, and the very files the image's layers were built
+  # from, so the image's dependency layer is not built again either.
+  local kept="$CACHE/wheelhouse/$want"
+  if ls "$kept"/*.whl >/dev/null 2>&1; then
+    cp -l "$kept"/*.whl wheelhouse/ 2>/dev/null || cp "$kept"/*.whl wheelhouse/
+    echo "$want" >"$stamp"
+    return 0
+  fi
+  say "building wheelhouse/ (the dependencies as wheels; torch==2.13.0, CPU)"
   # torch pinned first so the resolver settles on the CPU wheel the index offers beside
   # PyPI's CUDA one; setuptools is what building the project needs, offline too.
   "$PY" -m pip wheel -q -w wheelhouse -c constraints.txt "torch==2.13.0" setuptools ".[models]"
   rm -f wheelhouse/duplexbus-*.whl  # the image builds the project from its source
   ls wheelhouse/torch-2.13.0*.whl >/dev/null
   echo "$want" >"$stamp"
+  # Kept for the next clone; only the newest two keys (each some 400 MB).
+  mkdir -p "$CACHE/wheelhouse" && rm -rf "$kept.tmp" && mkdir "$kept.tmp"
+  cp wheelhouse/*.whl "$kept.tmp/" && mv "$kept.tmp" "$kept"
+  ls -dt "$CACHE"/wheelhouse/*/ | tail -n +3 | xargs -r rm -rf
 }
 
 compose() {
