@@ -323,7 +323,7 @@ class Endpoints:
             for conn, why in self.guard.sweep(time.monotonic()):
                 try:
                     conn.shed(why)
-                except Exception:
+                except Exception:  # no bus here: a bug in one connection's shed must not stop the sweep of all
                     log.exception("ending a connection (%s) failed", why.key)
 
 

@@ -41,6 +41,7 @@ from shared.runtime.errors import (
 )
 from shared.runtime.metrics import FrontendMetrics
 from shared.runtime.process import TaskSet, event, every
+from shared.runtime.retry import Backoff, Outage, retrying
 from shared.sdk.model import Model
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # A stop's bounds past the drain (the whole stop: process.stop_bound_s, server.FrontendServer):
 ABORTS_S = 3.0  # the aborts of the calls still live, published at once, all within this
 LEAVE_S = 3.0  # then the heartbeat key's delete and the bus's close
+CONDUCTOR_POLL_S = 0.2  # at start-up, how often the conductor's consumer is looked for
 
 
 class FrontendService:
@@ -119,22 +121,19 @@ class FrontendService:
 
     async def _wait_for_conductor(self) -> None:
         """Opens are only published once the conductor's durable consumer exists (it starts at
-        NEW). A bus failure that waiting will not mend (permissions) stops the wait loudly."""
-        complained = False
-        while True:
-            try:
-                if await self.bus.has_consumer(subjects.CONDUCTOR_DURABLE):
-                    self.ready.set()
-                    log.info("frontend %s ready", self.frontend_id)
-                    return
-            except BusError as e:
-                if not e.recoverable:
-                    log.error("frontend %s cannot start serving: %s", self.frontend_id, e)
-                    raise
-                if not complained:
-                    log.warning("waiting for the conductor: %s", e)
-                    complained = True
-            await asyncio.sleep(0.2)
+        NEW). Its absence is polled quietly (a conductor starting beside the frontend is no
+        fault); a bus failure is retried and logged once while it lasts (`retrying`), and one
+        that waiting will not mend (permissions) stops the wait loudly."""
+        outage = Outage("looking for the conductor's consumer", log)
+        backoff = Backoff(CONDUCTOR_POLL_S, CONDUCTOR_POLL_S)
+        try:
+            while not await retrying(lambda: self.bus.has_consumer(subjects.CONDUCTOR_DURABLE), outage, backoff=backoff):
+                await asyncio.sleep(CONDUCTOR_POLL_S)
+        except BusError as e:
+            log.error("frontend %s cannot start serving: %s", self.frontend_id, e)
+            raise
+        self.ready.set()
+        log.info("frontend %s ready", self.frontend_id)
 
     @property
     def stopping(self) -> bool:

@@ -22,7 +22,7 @@ from services.frontend.protocol import (
 )
 from services.frontend.relayed_call import RelayedCall, Sink
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import Aborted, Conflict, DuplexError, UnknownCall
+from shared.runtime.errors import Aborted, BusError, Conflict, DuplexError, UnknownCall
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,23 @@ LANES_MAX = 64  # calls of one socket with an opening, end or abort under way: p
 CLOSE_WAIT_S = 10.0  # on close, how long an opening under way may take before the socket's calls are aborted
 NO_CALL = "no live call with this request_id on this socket (never opened here, or ended)"
 INTERNAL = DuplexError("internal error")  # status 500: a bug, not the client's doing
+BUS_TROUBLE = "the service's message bus did not take the request; try again"  # a BusError, as a client is told it
+
+
+def told(err: DuplexError) -> str:
+    """What a client is told of `err`: its message, which is written for the client, but for
+    a bus failure's. That one names subjects, streams, servers and the server's own words,
+    none of them the client's business: the client gets `BUS_TROUBLE` (and the status), the
+    log the rest."""
+    if not isinstance(err, BusError):
+        return err.message
+    log.warning("a client is told %d (%s) for: %s", err.status, BUS_TROUBLE, err)
+    return BUS_TROUBLE
 
 
 def error_body(rid: str | None, err: DuplexError, append: bool = False) -> dict[str, Any]:
     """The client's error message: the call's, or (append=True) a refused append's."""
-    body: dict[str, Any] = {"request_id": rid, "error": err.message, "status": err.status}
+    body: dict[str, Any] = {"request_id": rid, "error": told(err), "status": err.status}
     if append:
         body["append"] = True
     return body
@@ -206,7 +218,7 @@ class SocketSession:
 
     async def _reject_append(self, call: RelayedCall, e: DuplexError) -> None:
         """A rejected append ends the call with its error and no finish."""
-        await self.service.abort(call, e.message, e.status, tell_client=True)
+        await self.service.abort(call, told(e), e.status, tell_client=True)
 
     async def close(self) -> None:
         """The socket closed: abort its calls, which frees their admission slots.
