@@ -8,17 +8,15 @@ socket's. The stand-in service below keeps the conductor's admission: one slot, 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from collections import deque
-from types import SimpleNamespace
 from typing import Any
 
-from services.frontend.calls import InputState
 from services.frontend.socket_session import SocketSession
 from shared.runtime.config import parse_config
 from tests.support.poll import until
+from tests.test_frontend_session import StubCall  # a call as the session sees it
 
 FILES = [{"name": "a.pcm", "data": base64.b64encode(bytes(2560)).decode()}]
 
@@ -29,13 +27,6 @@ class Sink:
 
     def send(self, msg: Any) -> None:
         self.sent.append(msg)
-
-
-class StubCall:
-    def __init__(self, name: str, request_id: str | None, live: bool) -> None:
-        self.name, self.request_id, self.live = name, request_id, live
-        self.input = SimpleNamespace(state=InputState.OPEN)
-        self.ended = asyncio.Event()
 
 
 class OneSlot:
@@ -51,7 +42,7 @@ class OneSlot:
 
     def _admit(self, call: StubCall) -> None:
         self.free -= 1
-        self.admitted.append(call.name)
+        self.admitted.append(call.cid)
 
     async def open_call(self, o: Any, sink: Any, on_end: Any = None) -> StubCall:
         live = o.end_input is None
@@ -71,7 +62,7 @@ class OneSlot:
         raise AssertionError("no end_input in these tests")
 
     async def abort(self, call: StubCall, reason: str, status: int, tell_client: bool = False) -> None:
-        self.aborted.append(call.name)
+        self.aborted.append(call.cid)
         call.ended.set()
         if call in self.queue:
             self.queue.remove(call)
@@ -118,7 +109,7 @@ async def test_a_closing_socket_does_not_pass_its_queued_one_shot_ahead_of_anoth
     await opened(a, 2)
     await b.handle(opening("b-shot", True))
     await opened(b, 1)
-    assert svc.admitted == ["a-live"] and [c.name for c in svc.queue] == ["a-shot", "b-shot"]
+    assert svc.admitted == ["a-live"] and [c.cid for c in svc.queue] == ["a-shot", "b-shot"]
     await a.close()
     assert svc.aborted == ["a-shot", "a-live"]
     assert svc.admitted == ["a-live", "b-shot"]  # not a-shot, which its socket no longer waits for
