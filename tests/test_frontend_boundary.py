@@ -24,10 +24,11 @@ from services.frontend.realtime.endpoint import EventLog, EventSender, RealtimeH
 from services.frontend.realtime.session import Out, SendText
 from services.frontend.relayed_call import RelayedCall
 from services.frontend.service import FrontendService
-from services.frontend.socket_session import BUS_TROUBLE, SocketSession
+from services.frontend.socket_session import BUS_TROUBLE, SocketSession, error_body
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import BusDenied, BusError, BusTimeout, BusUnavailable
+from shared.runtime.errors import BadRequest, BusDenied, BusError, BusTimeout, BusUnavailable
 from shared.runtime.metrics import FrontendMetrics
+from shared.sdk.model import ClientInput
 from tests.support.poll import until
 
 SECRET = "nats://10.1.2.3:4222"  # what a bus failure's text may hold and a client must not see
@@ -272,3 +273,25 @@ async def test_waiting_for_the_conductor_stops_at_once_on_a_refusal(
         await asyncio.wait_for(frontend._wait_for_conductor(), 5)
     assert not frontend.ready.is_set()
     assert any(r.levelno == logging.ERROR and "cannot start serving" in r.getMessage() for r in caplog.records)
+
+
+def test_a_models_decoding_failure_tells_the_client_no_internal_text(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever a model's decoding raises is a 400 (I-4), but in words of the frontend's own:
+    the exception's text (a library's internals, a bug's details) goes to the log."""
+    config = ServingConfig(model="echo")
+    model = FrontendService(config).model(None)
+
+    def decode(inp: Any) -> Any:
+        raise ValueError(f"a decoder that knows {SECRET}")
+
+    monkeypatch.setattr(model, "process_prompt", decode)
+    inp = CallInput(model, {"audio_in": None}, config.max_call_input_bytes, time.monotonic())
+    with pytest.raises(BadRequest) as refused:
+        inp.accept(ClientInput(text="hi"), opening=True, end=None, now=time.monotonic())
+    assert SECRET not in refused.value.message
+    with caplog.at_level(logging.INFO, logger="services.frontend.socket_session"):
+        body = error_body("r1", refused.value)
+    assert body == {"request_id": "r1", "error": "the input could not be decoded by model 'echo'", "status": 400}
+    assert any(SECRET in r.getMessage() for r in caplog.records)

@@ -126,7 +126,9 @@ class CallInput:
         except DuplexError:
             raise
         except Exception as e:  # I-4: whatever the model's decoding makes of bad input, it is a 400
-            raise BadRequest(f"the input could not be decoded: {type(e).__name__}: {e}") from None
+            # The exception's own text is not the client's (library internals, a bug's details):
+            # chained, for the shell to log (`socket_session.told`).
+            raise BadRequest(f"the input could not be decoded by model {self.model.name!r}") from e
 
     def _nothing_produced(self, inp: ClientInput) -> str:
         if inp.text and not inp.files and self.model.text_stream() is None:

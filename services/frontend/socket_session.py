@@ -38,8 +38,11 @@ def told(err: DuplexError) -> str:
     """What a client is told of `err`: its message, which is written for the client, but for
     a bus failure's. That one names subjects, streams, servers and the server's own words,
     none of them the client's business: the client gets `BUS_TROUBLE` (and the status), the
-    log the rest."""
+    log the rest. An error made for the client from another exception (a model's decoding
+    failure) names none of its cause: that goes to the log too."""
     if not isinstance(err, BusError):
+        if err.__cause__ is not None:
+            log.info("a client is told %d (%s), caused by: %r", err.status, err.message, err.__cause__)
         return err.message
     log.warning("a client is told %d (%s) for: %s", err.status, BUS_TROUBLE, err)
     return BUS_TROUBLE

@@ -236,7 +236,7 @@ class LiveSession:
                 self.deliver(self.core.error("server_error", told(e), None, eid))
             except DuplexError as e:
                 eid = a.event_id if isinstance(a, SendAudio | SendText) else None
-                self.deliver(self.core.error("invalid_value", e.message, None, eid))
+                self.deliver(self.core.error("invalid_value", told(e), None, eid))
 
     async def _ticks(self) -> None:
         while self.core.state is not SessionState.CLOSED:
