@@ -9,6 +9,7 @@ If the supervisor itself is killed, the kernel stops the children (PDEATHSIG).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -26,7 +27,10 @@ import msgspec
 from services.frontend.exposure import open_warning
 from shared.bus.embedded import NatsServer, StoreInUse, free_port
 from shared.runtime.config import ServingConfig
+from shared.runtime.errors import BusError
 from shared.runtime.process import die_with_parent
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # the supervision loop's pass
 RESTART_RESET_S = 30.0  # a child that ran this long restarts with the shortest backoff again
@@ -132,12 +136,25 @@ def wait_http(url: str, timeout: float, children: list[Child], stopping: Callabl
 def wait_workers(
     cfg: ServingConfig, expected: int, timeout: float, children: list[Child], stopping: Callable[[], bool] = _never
 ) -> bool:
-    """Until `expected` workers heartbeat (their models load after the frontend is up), or `stopping()`."""
+    """Until `expected` workers heartbeat (their models load after the frontend is up), or
+    `stopping()`. A bus failure that may pass (NATS busy) is looked past, logged once while it
+    lasts; one that will not (credentials, permissions) is raised at once (a BusError), not
+    waited out until the timeout."""
     import asyncio
 
     from shared.bus import subjects
     from shared.bus.connection import BusConnection
-    from shared.runtime.errors import BusError
+    from shared.runtime.errors import BusNotFound
+    from shared.runtime.retry import Outage
+
+    outage = Outage("counting the workers' heartbeats", log)
+
+    async def count(conn: BusConnection) -> int:
+        try:
+            kv = await conn.bucket(subjects.KV_WORKERS, create=False)
+        except BusNotFound:  # no worker has made the bucket yet: none so far, no fault
+            return 0
+        return len(await kv.keys())
 
     async def poll() -> bool:
         deadline = time.monotonic() + timeout
@@ -152,11 +169,15 @@ def wait_workers(
                 if any(not c.alive() for c in children if c.name.startswith("worker")):
                     return False
                 try:
-                    kv = await conn.bucket(subjects.KV_WORKERS, create=False)
-                    if len(await kv.keys()) >= expected:
+                    n = await count(conn)
+                except BusError as e:
+                    if not e.recoverable:
+                        raise
+                    outage.failed(e, time.monotonic())
+                else:
+                    outage.ok(time.monotonic())
+                    if n >= expected:
                         return True
-                except BusError:  # no worker has made the bucket yet, or NATS is busy: look again
-                    pass
                 await asyncio.sleep(0.2)
             return False
         finally:
@@ -343,9 +364,13 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             c.start(env, log_dir)
         url = f"http://{opts.host}:{opts.port}"
         workers = opts.workers if opts.colocate else len(partitions) * opts.workers
-        ready = wait_http(f"{url}/healthz", opts.ready_timeout, children, lambda: stop) and wait_workers(
-            cfg, workers, opts.ready_timeout, children, lambda: stop
-        )
+        try:
+            ready = wait_http(f"{url}/healthz", opts.ready_timeout, children, lambda: stop) and wait_workers(
+                cfg, workers, opts.ready_timeout, children, lambda: stop
+            )
+        except BusError as e:  # refused for good (credentials, permissions): waiting longer mends nothing
+            print(f"error: duplexbus cannot see its workers start: {e}", file=sys.stderr, flush=True)
+            failed = stop = True
         if ready:
             # The frontends log it, into files; the person at the terminal must see it too.
             warning = open_warning(opts.host, cfg)
