@@ -14,7 +14,7 @@ This protocol changes these things and nothing else:
   the bus to the socket buffer in one callback, with no queue and task.
 - Sending never waits on a slow client. Past `max_send_buffer` bytes waiting for it,
   `has_room()` is False and the app stops relaying outputs to it (they wait in the stream,
-  see `service.py`) until what waits has drained to half (`on_room`). Past twice that
+  see `outputs.py`) until what waits has drained to half (`on_room`). Past twice that
   (replies the client's own messages caused), or with nothing read for `send_timeout_s`,
   the client is not reading: it is dropped and the app aborts its calls.
 - Every connection is accounted to the frontend's `limits.Guard` (input held: partial and
