@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
@@ -113,7 +114,10 @@ class LiveCalls:
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _one(self, i: int) -> None:
-        ws = await WS.connect(self.stack.ws_url(0))
+        # It reads its outputs only at the end: with websockets' bounded receive queue it would
+        # stop reading the socket, its pongs unread behind them, and on a slow run end its own
+        # connection (keepalive ping timeout) before the fuzz is over.
+        ws = WS(await websockets.connect(self.stack.ws_url(0), max_size=None, max_queue=None))
         rid = f"live-{i}"
         sent: list[np.ndarray] = []
         await ws.send({"request_id": rid})
