@@ -18,7 +18,8 @@ import websockets
 
 from tests.support.audio import pcm_file
 from tests.support.client import WS
-from tests.support.stack import Stack, running_stack
+from tests.support.poll import until
+from tests.support.stack import Stack, listening, running_stack
 
 DRAIN_S = 4.0
 CONFIG = {"model": "echo", "shutdown_drain_s": DRAIN_S}
@@ -53,7 +54,8 @@ async def test_stopping_frontend_drains_its_calls_then_closes(stack: Stack, ws: 
 
     stack.procs["frontend-0"].p.terminate()  # SIGTERM: the frontend starts to stop
     stopped_at = time.monotonic()
-    await asyncio.sleep(0.5)
+    # Stopping: the server closes its listener and starts the drain in the same turn of its loop.
+    await until(lambda: not listening(stack.ports[0]), 10, "the frontend's listener closed on SIGTERM")
 
     # No new calls...
     await ws.send({"request_id": "new", "files": [frame()]})
