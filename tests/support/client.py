@@ -43,7 +43,11 @@ class WS:
         # once a test that only sends (a live call that reads its outputs at the end) has 16
         # unread: its keepalive pongs then wait behind them, and 20 s after its next ping it
         # closes its own call (1011 "keepalive ping timeout"). A real client reads as it goes.
-        return cls(await websockets.connect(url, max_size=None, max_queue=None))
+        # ping_interval=None: no keepalive pings of its own. Every wait of a test has its own
+        # timeout, and each ping's payload is drawn from the global `random` module: drawn in
+        # a thread of live calls while Hypothesis draws an example in the test's thread, it
+        # is taken for a strategy that uses `random`, a warning, so an error (a flaky fuzz run).
+        return cls(await websockets.connect(url, max_size=None, max_queue=None, ping_interval=None))
 
     async def send(self, msg: Message | str) -> None:
         await self.ws.send(msg if isinstance(msg, str) else json.dumps(msg))
