@@ -31,9 +31,13 @@ system-deps:
 	@bash scripts/system-deps.sh
 
 # -rs: a skipped test says why in one line (a compose test with no engine to run on, a
-# browser test with no chromium), never silently.
+# browser test with no chromium), never silently. Two runs: the modules that are not heavy
+# spread over two workers, a module to a worker (its stack booted once); then the heavy ones
+# (tests/conftest.py HEAVY) alone, one at a time. A run that ARGS leaves no test after the
+# split is no failure (tests/conftest.py).
 test: $(STAMP) system-deps lint typecheck
-	$(PY) -m pytest -q -rs --durations=25 $(ARGS)
+	$(PY) -m pytest -q -rs --durations=15 -n 2 --dist loadfile -m "not heavy" $(ARGS)
+	$(PY) -m pytest -q -rs --durations=15 -m heavy $(ARGS)
 
 # No nats-server, no process (the tests tests/support/tiers.py leaves unmarked), nothing marked
 # slow; the five slowest are listed, so a slow newcomer is seen.
