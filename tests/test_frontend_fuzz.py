@@ -27,7 +27,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
@@ -114,10 +113,9 @@ class LiveCalls:
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _one(self, i: int) -> None:
-        # It reads its outputs only at the end: with websockets' bounded receive queue it would
-        # stop reading the socket, its pongs unread behind them, and on a slow run end its own
-        # connection (keepalive ping timeout) before the fuzz is over.
-        ws = WS(await websockets.connect(self.stack.ws_url(0), max_size=None, max_queue=None))
+        # It reads its outputs only at the end, in a thread beside Hypothesis: the test client
+        # reads whatever comes and sends no pings of its own (WS.connect says why).
+        ws = await WS.connect(self.stack.ws_url(0))
         rid = f"live-{i}"
         sent: list[np.ndarray] = []
         await ws.send({"request_id": rid})
