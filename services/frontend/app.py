@@ -192,7 +192,7 @@ class Endpoints:
         self.service = service
         auth = service.config.auth
         self.access = Access(auth.tokens, auth.allowed_origins)
-        self.checks = [self._access, *checks]
+        self.checks = [self._stopping, self._access, *checks]
         self.guard = Guard(Limits.from_config(service.config))
         self.hub = RealtimeHub(service)
 
@@ -221,6 +221,11 @@ class Endpoints:
             return None
         return verdict
 
+    async def _stopping(self, conn: HTTPConnection) -> DuplexError | None:
+        """A stopping frontend takes no new call, and says so before the handshake or the
+        body (nothing read, nothing sent): a gateway may send the request to another one."""
+        return Overloaded("the frontend is stopping") if self.service.stopping else None
+
     async def refused(self, conn: HTTPConnection) -> DuplexError | None:
         """The first refusal of the app's checks, if any."""
         for check in self.checks:
@@ -236,8 +241,8 @@ class Endpoints:
         return await OneShot(self.service, request, self.guard).respond()
 
     async def generate_ws(self, ws: WebSocket) -> None:
-        if await self.refused(ws) is not None:
-            await ws.close(1008)  # before the handshake: the client gets 403
+        if (err := await self.refused(ws)) is not None:
+            await _deny(ws, err)
             return
         await ws.accept(subprotocol=getattr(ws.state, "subprotocol", None))
         outlet: Any = ws.scope.get("extensions", {}).get(OUTLET)
@@ -260,8 +265,8 @@ class Endpoints:
 
     async def realtime_ws(self, ws: WebSocket) -> None:
         """`WS /v1/realtime?model=NAME`: the OpenAI Realtime API (docs/realtime.md)."""
-        if await self.refused(ws) is not None:
-            await ws.close(1008)
+        if (err := await self.refused(ws)) is not None:
+            await _deny(ws, err)
             return
         await self.hub.serve(ws, getattr(ws.state, "subprotocol", None))
 
@@ -325,6 +330,16 @@ class Endpoints:
                     conn.shed(why)
                 except Exception:  # no bus here: a bug in one connection's shed must not stop the sweep of all
                     log.exception("ending a connection (%s) failed", why.key)
+
+
+async def _deny(ws: WebSocket, err: DuplexError) -> None:
+    """Refuse a socket before its handshake. A 503 is answered as itself (a gateway retries
+    it on another frontend: nothing was sent); the access checks' refusals as a close, which
+    the client gets as 403 (as under a server without denial responses, a 503 too)."""
+    if err.status == 503 and "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(error_response(None, err, close=True))
+    else:
+        await ws.close(1008)
 
 
 async def _read_all(ws: WebSocket, session: SocketSession) -> None:

@@ -3,11 +3,15 @@
 The conductor and the workers stop under `process.run_until_stopped`; the frontend's loop
 is uvicorn's, which on its own waits for every connection and then for the app's shutdown
 for as long as they take (a response still streaming, an abort waiting on a NATS that is
-gone). Here a stop signal arms `process.exit_after(process.stop_bound_s(drain))`, and the
-drain starts as the server starts to stop, for the one-shots' calls too (the WebSocket
-connections start it as well: `websocket.py`). uvicorn then waits for connections up to the
-drain plus `STOP_GRACE_S`, the app leaves the bus within `service.LEAVE_S`, and whatever
-still holds the process past the bound is cut short.
+gone). Here a stop signal arms `process.exit_after(process.stop_bound_s(drain))` and starts
+the drain at once, for the one-shots' calls too (the WebSocket connections start it as
+well: `websocket.py`). The listener stays open for `shutdown_unlist_s` more, while /healthz
+and every new call answer 503 before anything is read (`app.py`): a gateway that sent a
+call there in the seconds its checks take to mark this frontend down gets an answer it may
+retry elsewhere, where a closed listener would leave it retrying, and failing, on the same
+address. Then uvicorn stops: it waits for connections up to the drain plus `STOP_GRACE_S`,
+the app leaves the bus within `service.LEAVE_S`, and whatever still holds the process past
+the bound is cut short. A second signal stops it at once.
 
 `serve` wires the frontend's app and its protocol classes into that server: what
 `duplexbus frontend` runs once it has parsed its flags.
@@ -19,6 +23,7 @@ import math
 import os
 import socket
 import threading
+import time
 from types import FrameType
 
 import uvicorn
@@ -54,26 +59,51 @@ def serve(cfg: ServingConfig, host: str, port: int, fd: int | None = None) -> No
         ws_ping_interval=20,
     )
     sockets = [socket.socket(fileno=fd)] if fd is not None else None
-    FrontendServer(config, cfg.shutdown_drain_s).run(sockets=sockets)
+    FrontendServer(config, cfg.shutdown_drain_s, cfg.shutdown_unlist_s).run(sockets=sockets)
 
 
 class FrontendServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain_s: float, unlist_s: float = 0.0) -> None:
         config.timeout_graceful_shutdown = math.ceil(drain_s + STOP_GRACE_S)  # (whole seconds)
         super().__init__(config)
         self.drain_s = drain_s
+        self.unlist_s = unlist_s
         self._hard_stop: threading.Timer | None = None
+        # The first stop signal, and when: uvicorn is told of it `unlist_s` later (`on_tick`).
+        self._signalled: tuple[int, FrameType | None, float] | None = None
+        self._drain_started = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """The stop signal (in the main thread, between two steps of the loop)."""
+        """The stop signal (in the main thread, between two steps of the loop): the drain
+        starts at the loop's next tick, the listener closes `unlist_s` later."""
         if self._hard_stop is None:
-            self._hard_stop = exit_after(stop_bound_s(self.drain_s), "frontend")
+            self._hard_stop = exit_after(stop_bound_s(self.drain_s + self.unlist_s), "frontend")
+        if self._signalled is None and self.unlist_s > 0:
+            self._signalled = (sig, frame, time.monotonic())
+            return
         super().handle_exit(sig, frame)
 
+    async def on_tick(self, counter: int) -> bool:
+        """Every 0.1 s in uvicorn's main loop: in the loop, where the drain may be started."""
+        if self._signalled is not None and not self.should_exit:
+            sig, frame, at = self._signalled
+            if not self._drain_started:
+                self._drain_started = True
+                _start_drain(self)
+            if time.monotonic() - at >= self.unlist_s:
+                super().handle_exit(sig, frame)  # uvicorn's own stop from here, the signal kept for its exit
+        return await super().on_tick(counter)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        drain = getattr(self.lifespan, "state", {}).get(DRAIN)
-        if drain is not None:
-            drain()
+        _start_drain(self)  # (once: the service's drain is one however often it is asked for)
         await super().shutdown(sockets)
         # The hard stop stays armed (a daemon thread: it does not hold up the exit): what is
         # left, the loop's own shutdown, waits on threads that may be stuck.
+
+
+def _start_drain(server: uvicorn.Server) -> None:
+    """The app's drain, once its lifespan has started (the service's drain is one however
+    often it is asked for). A function, not a method: the server's own methods are uvicorn's."""
+    drain = getattr(server.lifespan, "state", {}).get(DRAIN)
+    if drain is not None:
+        drain()

@@ -60,6 +60,9 @@ class FrontendService:
         self._bus: BusConnection | None = None
         self.ready = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
+        # Openings under way (past the readiness check, not yet in `calls`: the request_id's
+        # round trip, the open's store): a drain waits for them as for the calls.
+        self._opening = 0
         self.tasks = TaskSet()  # heartbeat, probes, timeouts, unsubscribing, aborts
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
@@ -132,6 +135,8 @@ class FrontendService:
         except BusError as e:
             log.error("frontend %s cannot start serving: %s", self.frontend_id, e)
             raise
+        if self.stopping:  # stopped before it was ready: it stays not ready
+            return
         self.ready.set()
         log.info("frontend %s ready", self.frontend_id)
 
@@ -144,13 +149,13 @@ class FrontendService:
         rest with 503 (told to their clients). One drain however often it is asked for: the
         WebSocket connections ask when the server starts to stop, the lifespan at the end."""
         if self._drain_task is None:
+            self.ready.clear()  # now, not a turn later: from here no opening passes the check
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         return self._drain_task
 
     async def _drain(self) -> None:
-        self.ready.clear()
         deadline = time.monotonic() + self.config.shutdown_drain_s
-        while self.calls and time.monotonic() < deadline:
+        while (self.calls or self._opening) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.calls:
             log.warning("ending %d calls still live after %.0f s of draining", len(self.calls), self.config.shutdown_drain_s)
@@ -223,7 +228,7 @@ class FrontendService:
         """Open a call whose messages go to `sink`; `on_end` runs once when it ends, after its
         last message went to the sink."""
         try:
-            call = await self._open_call(o, sink, on_end)
+            call = await self._counted_opening(o, sink, on_end)
         except DuplexError as e:
             if e.status in (409, 503):  # taken, or no room: refused admission (a 400 is the client's)
                 self.metrics.refusals.labels(str(e.status)).inc()
@@ -231,9 +236,19 @@ class FrontendService:
         event(log, "call opened", cid=call.cid, request_id=call.request_id, model=call.input.model.name, live=call.live)
         return call
 
-    async def _open_call(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None) -> RelayedCall:
+    async def _counted_opening(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None) -> RelayedCall:
+        """`_open_call`, counted from its readiness check on: a drain that starts while the
+        request_id's round trip is under way would otherwise see no call, end at once, and
+        close the socket (1012) under a call that then opens and streams."""
         if not self.ready.is_set():
             raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
+        self._opening += 1
+        try:
+            return await self._open_call(o, sink, on_end)
+        finally:
+            self._opening -= 1
+
+    async def _open_call(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None) -> RelayedCall:
         model_name = o.model or self.default_model
         model = self.model(model_name)
         now = time.monotonic()

@@ -79,6 +79,10 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
     shutdown_drain_s: float = 10.0  # a stopping frontend or worker lets live calls end this long
+    # A stopping frontend keeps listening this long (within its drain), answering 503 to
+    # /healthz and to new calls before their handshake, so a gateway takes it out and
+    # retries those elsewhere; 0 closes its listener at once.
+    shutdown_unlist_s: float = 3.0
     realtime: RealtimeConfig = msgspec.field(default_factory=RealtimeConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
 
@@ -112,6 +116,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(key, f"must be > 0, got {value}")
+        if self.shutdown_unlist_s < 0:
+            raise ConfigError("shutdown_unlist_s", f"must be >= 0, got {self.shutdown_unlist_s}")
         hard, soft = self.retention.hard_max_bytes, self.retention.max_bytes
         if hard is not None and hard < soft:
             raise ConfigError("retention.hard_max_bytes", f"must be >= retention.max_bytes ({soft}), got {hard}")
