@@ -234,6 +234,10 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         if message["type"] != "websocket.send" or not self.handshake_complete or self.close_sent:
             self._flush()  # what was queued goes out before a close or a handshake reply
             await super().send(message)
+            if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+                # A refusal at the handshake (an HTTP response: `app._deny`) is over, as uvicorn
+                # marks its own 403: else it logs an error ("returned without completing handshake").
+                self.handshake_complete = True
             return
         data = message.get("bytes")
         if data is None:
