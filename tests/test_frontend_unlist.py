@@ -21,8 +21,10 @@ import uvicorn
 import websockets
 from websockets.exceptions import InvalidStatus
 
+from services.frontend.calls import CallInput
 from services.frontend.outbox import Outbox
 from services.frontend.protocol import Opening, parse_message
+from services.frontend.relayed_call import RelayedCall
 from services.frontend.service import FrontendService
 from shared.bus import subjects
 from shared.runtime.config import parse_config
@@ -117,6 +119,41 @@ async def test_a_drain_waits_for_an_opening_under_way() -> None:
     with pytest.raises(Conflict):
         await task
     await asyncio.wait_for(drain, 5)  # and ends once the opening is over
+    await svc.tasks.close()
+
+
+class GatedRelease:
+    """The request_id bucket of a bus whose release of a key answers only once let go."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.kv = {subjects.KV_REQUEST_IDS: self}
+
+    async def release(self, key: str, owner: bytes, revision: int = 0) -> None:
+        self.entered.set()
+        await self.gate.wait()
+
+
+async def test_a_drain_waits_for_a_call_whose_end_is_under_way() -> None:
+    """A call leaves `calls` before its request_id's release, and its finish goes to the
+    client after: a drain that ended in between closed the socket (1012) before the finish."""
+    svc = FrontendService(parse_config({"model": "echo", "nats_url": "nats://127.0.0.1:1", "shutdown_drain_s": 10.0}))
+    bus = GatedRelease()
+    svc._bus = bus  # type: ignore[assignment]
+    sent: list[bytes] = []
+    inp = CallInput(svc.model(None), {"audio_in": None}, svc.config.max_call_input_bytes, time.monotonic())
+    call = RelayedCall("cid-e", "r", inp, Outbox(sent.append), True)
+    svc.calls[call.cid] = call
+    ending = asyncio.create_task(svc._end(call, "finished", 200, {"request_id": "r", "finish": {"reason": "completed"}}))
+    await asyncio.wait_for(bus.entered.wait(), 5)  # out of `calls`, its finish not sent yet
+    drain = svc.drain()
+    done, _ = await asyncio.wait([drain], timeout=0.5)
+    assert not done, "the drain ended before the call's finish was sent"
+    bus.gate.set()
+    await asyncio.wait_for(ending, 5)
+    await asyncio.wait_for(drain, 5)
+    assert sent and b"finish" in sent[-1]
     await svc.tasks.close()
 
 

@@ -63,6 +63,9 @@ class FrontendService:
         # Openings under way (past the readiness check, not yet in `calls`: the request_id's
         # round trip, the open's store): a drain waits for them as for the calls.
         self._opening = 0
+        # Endings under way (out of `calls`, the request_id's release awaited, the reply not
+        # yet sent): a drain that ended here would close the socket before the call's finish.
+        self._ending = 0
         self.tasks = TaskSet()  # heartbeat, probes, timeouts, unsubscribing, aborts
         self._limits: dict[str, dict[str, int | None]] = {}
         self.default_model = config.model
@@ -155,7 +158,7 @@ class FrontendService:
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.config.shutdown_drain_s
-        while (self.calls or self._opening) and time.monotonic() < deadline:
+        while (self.calls or self._opening or self._ending) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.calls:
             log.warning("ending %d calls still live after %.0f s of draining", len(self.calls), self.config.shutdown_drain_s)
@@ -340,9 +343,13 @@ class FrontendService:
         drop its subscriptions."""
         self.calls.pop(call.cid, None)
         call.input.close()
-        if call.request_id is not None and self._bus is not None:
-            await self.rids.release(call.request_id, call.cid.encode(), call.request_id_revision)
-        self._let_go(call, reply)
+        self._ending += 1
+        try:
+            if call.request_id is not None and self._bus is not None:
+                await self.rids.release(call.request_id, call.cid.encode(), call.request_id_revision)
+            self._let_go(call, reply)
+        finally:
+            self._ending -= 1
 
     def _let_go(self, call: RelayedCall, reply: dict[str, Any] | None) -> None:
         """The rest of `_cleanup`, with no await: also for a call whose cleanup was cut short."""
