@@ -2,8 +2,8 @@
 deployment"): on SIGTERM it keeps listening for `shutdown_unlist_s`, answering 503 to
 /healthz and to every new call before the handshake or the body (a gateway may retry those
 on another frontend: nothing was taken or sent), and closes its listener after; and a
-drain waits for an opening still under way, which it would otherwise cut off by closing its
-socket (1012) once that call streams."""
+drain waits for an opening or an ending still under way: one that ended meanwhile would
+close the socket (1012) under a call that then streams, or before a call's finish."""
 
 from __future__ import annotations
 
