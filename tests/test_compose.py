@@ -32,7 +32,7 @@ from shared.bus import subjects, wire
 from shared.bus.embedded import free_port
 from tests.support import REPO
 from tests.support.audio import echo_bytes, pcm, pcm_file
-from tests.support.bus import call_records
+from tests.support.bus import bucket_keys, call_records
 from tests.support.client import WS
 from tests.support.containers import COMPOSE_BIN as COMPOSE
 from tests.support.containers import Project, clean_env, compose_project, docker, prepare
@@ -127,12 +127,12 @@ async def kv_values(nats_url: str, bucket: str) -> dict[str, Any]:
     try:
         kv = await nc.jetstream().key_value(bucket)
         out = {}
-        with contextlib.suppress(Exception):  # no keys
-            for key in await kv.keys():
-                with contextlib.suppress(Exception):  # deleted since listed
-                    e = await kv.get(key)
-                    if e.value:
-                        out[key] = wire.decode(e.value)
+        # A listing is a watch that can come back empty on a busy server: bucket_keys asks again.
+        for key in await bucket_keys(kv):
+            with contextlib.suppress(Exception):  # deleted since listed
+                e = await kv.get(key)
+                if e.value:
+                    out[key] = wire.decode(e.value)
         return out
     finally:
         await nc.close()
@@ -270,7 +270,13 @@ async def _grown(now: Any, before: set[str]) -> set[str]:
 
 
 async def test_worker_container_killed_mid_call_the_call_finishes(stack: Project, gateway: str, nats_of_stack: str) -> None:
-    assert len(await echo_workers(nats_of_stack)) == 2  # after the scale-out: the twin takes over
+    async def both() -> set[str]:  # after the scale-out: the twin takes over
+        workers = await echo_workers(nats_of_stack)
+        return workers if len(workers) == 2 else set()
+
+    # Each heartbeats every few seconds, and one may be a beat late on a busy machine: wait for
+    # both rather than read the bucket once (it found 0 and 1 of 2 in two full runs).
+    await wait_for("both echo workers heartbeating", both, timeout=60)
     samples = tone(60, 7)
     ws = await open_call(gateway, "survivor", samples, 30)
     await ws.until(lambda m: "output" in m and m["output"]["frame"] >= 20, timeout=30, keep=True)
