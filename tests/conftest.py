@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -19,6 +20,16 @@ def nats_url() -> Iterator[str]:
         return
     with own_nats_server("duplexbus-nats-") as server:
         yield server.url
+
+
+@pytest.fixture
+def signals_kept() -> Iterator[None]:
+    """For a test that runs `duplexbus up` in the test's process: run_up installs its own
+    SIGINT/SIGTERM handlers; pytest's are put back after it."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,15 +56,6 @@ def test_wait_workers_gives_up_on_unreachable_nats() -> None:
     start = time.monotonic()
     assert not wait_workers(cfg, 1, 1.0, [])
     assert time.monotonic() - start < 10
-
-
-@pytest.fixture
-def signals_kept() -> Iterator[None]:
-    """run_up installs its own SIGINT/SIGTERM handlers; put pytest's back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
 
 
 def test_up_uses_the_configs_nats_url_and_fails_when_never_ready(

@@ -5,7 +5,6 @@ says so in one line at the terminal instead of waiting out its timeout."""
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -81,15 +80,6 @@ def test_a_passing_failure_is_looked_past_and_logged_once(bus: list[StandInBus],
         "counting the workers' heartbeats failed: opening bucket workers: nats: timeout; trying again"
     ]
     assert any(m.startswith("counting the workers' heartbeats works again after") for _, m in said)
-
-
-@pytest.fixture
-def signals_kept() -> Iterator[None]:
-    """run_up installs its own SIGINT/SIGTERM handlers; put pytest's back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
 
 
 def test_up_says_a_refusal_in_one_line_and_fails(
