@@ -4,10 +4,9 @@ The conductor and the workers stop under `process.run_until_stopped`; the fronte
 is uvicorn's, which on its own waits for every connection and then for the app's shutdown
 for as long as they take (a response still streaming, an abort waiting on a NATS that is
 gone). Here a stop signal arms `process.exit_after(process.stop_bound_s(drain + unlist))`,
-starts
-the drain at once, for the one-shots' calls too (the WebSocket connections start it as well:
-`websocket.py`). The listener stays open for `shutdown_unlist_s` more, while /healthz
-and every new call answer 503 before anything is read (`app.py`): a gateway that sent a
+starts the drain at once, for the one-shots' calls too (the WebSocket connections start it
+as well: `websocket.py`). The listener stays open for `shutdown_unlist_s` more, while
+/healthz and every new call answer 503 before anything is read (`app.py`): a gateway that sent a
 call there in the seconds its checks take to mark this frontend down gets an answer it may
 retry elsewhere, where a closed listener would leave it retrying, and failing, on the same
 address. Then uvicorn stops: it waits for connections up to the drain plus `STOP_GRACE_S`,
