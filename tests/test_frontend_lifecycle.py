@@ -54,7 +54,8 @@ async def test_stopping_frontend_drains_its_calls_then_closes(stack: Stack, ws: 
 
     stack.procs["frontend-0"].p.terminate()  # SIGTERM: the frontend starts to stop
     stopped_at = time.monotonic()
-    # Stopping: the server closes its listener and starts the drain in the same turn of its loop.
+    # Stopping: with shutdown_unlist_s 0 (the test stacks'), the server closes its listener and
+    # starts the drain in the same turn of its loop.
     await until(lambda: not listening(stack.ports[0]), 10, "the frontend's listener closed on SIGTERM")
 
     # No new calls...

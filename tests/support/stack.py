@@ -95,7 +95,10 @@ class Stack(Served):
     def __init__(self, nats_url: str, config: dict[str, Any] | None = None) -> None:
         self.nats_url = nats_url
         self.dir = Path(tempfile.mkdtemp(prefix="duplexbus-stack-"))
-        cfg = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0, **(config or {})}
+        # shutdown_unlist_s 0: no gateway here waits to see a stopping frontend's 503 before it
+        # closes its listener, and each stop would take 3 s more (tests/test_frontend_unlist.py
+        # sets its own).
+        cfg = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0, "shutdown_unlist_s": 0.0, **(config or {})}
         self.config_path = self.dir / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
         self.procs: dict[str, Proc] = {}
