@@ -158,12 +158,20 @@ def test_nats_creds_and_tls_variables_reach_the_connect_options(
 # --- real servers ---------------------------------------------------------------------------
 
 
-async def _store_and_read(cfg: ServingConfig) -> list[bytes]:
-    """What a service does first (the stream made, a message stored) and a read back."""
+async def _store_and_read(cfg: ServingConfig, read_for_s: float = 0.0) -> list[bytes]:
+    """What a service does first (the stream made, a message stored) and a read back.
+    `read_for_s`: read again while the read finds nothing, for so long. A cluster's node that
+    leads the reading consumer may not have applied the message yet when the write is
+    acknowledged (a quorum of two of three did): its consumer then counts nothing pending."""
     bus = await BusConnection.open(cfg, "auth-test", connect_timeout=5)
     try:
         await bus.store(subjects.open_("c1"), b"open")
-        return [b async for _, b, _ in bus.read_stored([subjects.call_all("c1")])]
+        deadline = asyncio.get_running_loop().time() + read_for_s
+        while True:
+            got = [b async for _, b, _ in bus.read_stored([subjects.call_all("c1")])]
+            if got or asyncio.get_running_loop().time() >= deadline:
+                return got
+            await asyncio.sleep(0.1)
     finally:
         await bus.close()
 
@@ -244,10 +252,10 @@ async def _refused_and_let_in(plain: list[str], saved: str, replicas: int) -> li
     cfg = load_config(nats_url=saved, retention={"replicas": replicas})
     for _ in range(100):  # a cluster just up may not take a replicated stream at once
         try:
-            return await _store_and_read(cfg)
+            return await _store_and_read(cfg, read_for_s=10.0)
         except BusError:
             await asyncio.sleep(0.2)
-    return await _store_and_read(cfg)
+    return await _store_and_read(cfg, read_for_s=10.0)
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["one server", "cluster"])
