@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 import pytest
 
 from services.conductor.service import ConductorService
 from shared.runtime.config import parse_config
 from shared.runtime.errors import BusDenied, BusError, BusUnavailable
+from tests.support.poll import until
 
 
 class StandInConsumer:
@@ -31,20 +30,13 @@ class StandInConsumer:
         return []
 
 
-async def _until(done: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.005)
-
-
 async def test_an_outage_of_the_consumer_is_logged_once_and_fetching_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     conductor = ConductorService(parse_config({}))
     sub = StandInConsumer(BusUnavailable("fetching from the conductor's consumer", "connection closed"), failures=4)
     consume = asyncio.create_task(conductor._consume(sub))  # type: ignore[arg-type]
     try:
-        await _until(lambda: sub.fetches > 6)
+        await until(lambda: sub.fetches > 6, 10.0, "more than six fetches")
     finally:
         consume.cancel()
         await asyncio.gather(consume, return_exceptions=True)

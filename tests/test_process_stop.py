@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -153,13 +152,6 @@ async def test_a_task_that_swallows_its_cancel_is_cancelled_again_until_it_ends(
     assert t.cancelled() and cancels == 2 and time.monotonic() - started < 2
 
 
-async def _until(done: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_side_task_that_fails_is_logged_once_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
     async def failing_side_task() -> None:
         await asyncio.sleep(0)
@@ -167,7 +159,7 @@ async def test_a_side_task_that_fails_is_logged_once_with_its_traceback(caplog: 
 
     tasks = TaskSet()
     tasks.spawn(failing_side_task())
-    await _until(lambda: len(tasks) == 0)
+    await until(lambda: len(tasks) == 0, 5.0, "the failed task gone from its set")
     await tasks.close()
     failed = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(failed) == 1, [r.getMessage() for r in failed]
