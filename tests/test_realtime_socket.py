@@ -47,12 +47,19 @@ async def test_bad_input_gets_error_events_and_the_socket_goes_on(stack: Stack) 
         err = (await rt.next("error"))["error"]
         assert (err["code"], err["param"]) == (code, param), err
         assert err["event_id"] == json.loads(raw).get("event_id") if raw.startswith('{"') else err["event_id"] is None
+    before = len(rt.seen)
     await rt.send({"type": "session.close"})
     await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(tone(0.1, 16000)), "event_id": "late"})
-    err = (await rt.next("error"))["error"]
-    assert (err["code"], err["event_id"]) == ("session_closed", "late")
-    await rt.next("session.closed")
-    await rt.close()
+    # Input after session.close is refused with `session_closed` while the call finishes (the
+    # rule is the pure core's: test_realtime_pure). Here the call's end may overtake the late
+    # append on the server's loop (its done comes over the bus while the append waits in the
+    # socket), and a session already closed reads nothing more: then there is no error event,
+    # only the close. So: any error is that one, then session.closed and a clean close.
+    assert await rt.closed() == 1000
+    after = rt.seen[before:]
+    assert [e["type"] for e in after].count("session.closed") == 1, after
+    errors = [e["error"] for e in after if e["type"] == "error"]
+    assert all((e["code"], e["event_id"]) == ("session_closed", "late") for e in errors), errors
 
 
 async def test_json_nested_too_deeply_is_invalid_json_and_the_session_goes_on(stack: Stack) -> None:
