@@ -9,16 +9,19 @@ whole model through these cores in one process, for tests and benchmarks.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.runtime.errors import DuplexError, LimitExceeded, ProtocolError
+from shared.runtime.errors import DuplexError, LimitExceeded, ModelFailed, ProtocolError
 from shared.runtime.states import checked
 from shared.sdk.chunking import Chunk, Item, StreamBuffer
 from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
 from shared.sdk.topology import PartitionTopology
+
+log = logging.getLogger(__name__)
 
 
 class EngineCallState(enum.Enum):
@@ -103,6 +106,10 @@ class EngineStats:
     steps: int = 0
     chunks: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    opened: int = 0  # calls added
+    ended: int = 0  # calls gone: finished, failed or dropped
+    model_errors: int = 0  # times the partition's code raised or broke the model API
+    stray_emissions: int = 0  # emissions for a call its step was not given (dropped)
 
 
 class Engine:
@@ -130,6 +137,8 @@ class Engine:
         self._calls: dict[str, _Call] = {}
         self._dirty: dict[str, None] = {}  # calls that got input since they were last served (ordered set)
         self._drop_after_step: set[str] = set()  # failed while in a step: partition state dropped after it
+        self._wants_failed: set[str] = set()  # calls whose wants_step raised: failed at their next step
+        self.in_step_since: float | None = None  # when the batch being stepped was taken (None: no step under way)
         self._next_idle_scan = -math.inf
         self._step_no = 0
         self.held_bytes = 0  # what every call's stream buffers hold (see StreamBuffer.held_bytes)
@@ -153,19 +162,53 @@ class Engine:
         buffers = {
             c.edge_name: StreamBuffer(c.chunk_policy_factory(), c.limits.max_items if c.limits else None) for c in self.inputs
         }
-        self.partition.open_call(CallInfo(cid, dict(model_kwargs or {})))
+        try:
+            self.partition.open_call(CallInfo(cid, dict(model_kwargs or {})))
+        except Exception:
+            # It may have taken part of the call's state (a KV slot) before it raised: drop_call
+            # lets that go, as for any call that ends without close_call. The caller reports it.
+            self._drop_state(cid)
+            raise
         self._calls[cid] = _Call(cid, buffers, dict.fromkeys(self.outputs, 0))
+        self.stats.opened += 1
 
     def drop_call(self, cid: str) -> None:
         """Aborted or failed elsewhere: forget it without a done."""
-        call = self._calls.pop(cid, None)
+        call = self._calls.get(cid)
         if call is not None:
-            self._release(call)
-            self.partition.drop_call(cid)
+            self._remove(call)
+            self._let_go(call)
 
-    def _release(self, call: _Call) -> None:
-        """The call's buffers go with it."""
+    def _remove(self, call: _Call) -> None:
+        """The call leaves the engine; its buffers go with it."""
+        del self._calls[call.cid]
         self.held_bytes -= call.held
+        self._wants_failed.discard(call.cid)
+        self.stats.ended += 1
+
+    def _let_go(self, call: _Call) -> None:
+        """The partition's state for a call that ends without close_call: drop_call, once, and
+        only after a step under way that has the call (it may run in a thread now)."""
+        if call.in_flight:
+            self._drop_after_step.add(call.cid)
+        else:
+            self._drop_state(call.cid)
+
+    def _drop_state(self, cid: str) -> None:
+        """partition.drop_call; one that raises is logged, not raised: the call ends anyway,
+        and what ends it (an abort, another failure) must go on."""
+        try:
+            self.partition.drop_call(cid)
+        except Exception as e:
+            self._model_error("drop_call", [cid], e)
+
+    def _model_error(self, during: str, cids: list[str], error: Exception) -> ModelFailed:
+        """The model's exception, with its traceback, for the worker's log; the error the
+        calls fail with names only the partition (it reaches the client)."""
+        self.stats.model_errors += 1
+        shown = ", ".join(cids[:8]) + (f" and {len(cids) - 8} more" if len(cids) > 8 else "")
+        log.error("partition %s: %s failed for %s", self.name, during, shown, exc_info=error)
+        return ModelFailed(self.name, during)
 
     def held(self, cid: str) -> int:
         """Bytes the call's stream buffers hold here (0 for a call not here)."""
@@ -233,12 +276,8 @@ class Engine:
 
     def _fail(self, call: _Call, error: DuplexError) -> list[Action]:
         call.move(EngineCallState.FAILED)
-        del self._calls[call.cid]
-        self._release(call)
-        if call.in_flight:  # its step may be running in a thread now: drop its state after it
-            self._drop_after_step.add(call.cid)
-        else:
-            self.partition.drop_call(call.cid)
+        self._remove(call)
+        self._let_go(call)
         return [FailCall(call.cid, error)]
 
     # -- stepping ------------------------------------------------------------
@@ -246,7 +285,19 @@ class Engine:
         return not call.in_flight and any(b.has_chunk() for b in call.buffers.values())
 
     def _idle_wants(self, call: _Call) -> bool:
-        return not call.in_flight and (call.state is EngineCallState.DRAINING or self.partition.wants_step(call.cid))
+        return not call.in_flight and (call.state is EngineCallState.DRAINING or self._wants_step(call.cid))
+
+    def _wants_step(self, cid: str) -> bool:
+        """partition.wants_step; one that raises is logged once and answered True, so the call
+        is stepped and failed after that step (a question cannot fail a call itself)."""
+        if cid in self._wants_failed:
+            return True
+        try:
+            return self.partition.wants_step(cid)
+        except Exception as e:
+            self._model_error("wants_step", [cid], e)
+            self._wants_failed.add(cid)
+            return True
 
     def _wants(self, call: _Call, now: float) -> bool:
         if self._has_input(call):
@@ -303,6 +354,8 @@ class Engine:
             call.last_time = now if math.isfinite(now) else -math.inf
             batch.append(StepInput(call.cid, chunks, inputs_ended=call.inputs_ended))
         self._step_no += 1
+        if batch and math.isfinite(now):
+            self.in_step_since = now
         return batch
 
     def step(self, now: float = math.inf) -> list[Action]:
@@ -310,50 +363,124 @@ class Engine:
         batch = self.next_batch(now)
         if not batch:
             return []
-        return self.complete(batch, self.partition.step(batch))
+        try:
+            emissions = self.partition.step(batch)
+        except Exception as e:
+            return self.step_failed(batch, e)
+        return self.complete(batch, emissions)
 
-    def complete(self, batch: list[StepInput], emissions: Iterable[Emission]) -> list[Action]:
-        actions: list[Action] = []
+    def _count(self, batch: list[StepInput]) -> None:
+        self.in_step_since = None
         self.stats.steps += 1
         self.stats.chunks += sum(len(s.chunks) for s in batch)
         self.stats.batch_sizes.append(len(batch))
         if len(self.stats.batch_sizes) > 10_000:
             del self.stats.batch_sizes[:5_000]
-        for e in emissions:
+
+    def step_failed(self, batch: list[StepInput], error: Exception) -> list[Action]:
+        """The partition's step raised: every call of the batch fails, as which one made it
+        raise is not known and each one's state may be half written. Each call's state is
+        dropped once (drop_call, never close_call)."""
+        self._count(batch)
+        return self._batch_failed(batch, self._model_error("step", [s.cid for s in batch], error))
+
+    def _batch_failed(self, batch: list[StepInput], error: ModelFailed) -> list[Action]:
+        actions: list[Action] = []
+        for s in batch:
+            call = self._calls.get(s.cid)
+            if call is None:
+                self._after_step_gone(s.cid)
+            else:
+                call.in_flight = False
+                actions += self._fail(call, error)
+        return actions
+
+    def _after_step_gone(self, cid: str) -> None:
+        """A call of the batch that failed or was dropped while stepped: its state goes now."""
+        if cid in self._drop_after_step:
+            self._drop_after_step.discard(cid)
+            self._drop_state(cid)
+
+    def complete(self, batch: list[StepInput], emissions: Iterable[Emission]) -> list[Action]:
+        """The step's emissions, as actions; then each call of the batch goes on, drains,
+        finishes or fails. Model code that raises or breaks the API here fails the calls it
+        concerns (see `_check_emissions`), never the caller."""
+        self._count(batch)
+        try:
+            emitted = list(emissions)  # a generator runs model code here
+            wrong = [e for e in emitted if not isinstance(e, Output | EdgeItem)]
+            if wrong:
+                raise TypeError(f"step returned a {type(wrong[0]).__name__}, not an Output or an EdgeItem")
+        except Exception as err:
+            return self._batch_failed(batch, self._model_error("step", [s.cid for s in batch], err))
+        given = {s.cid for s in batch}
+        broken = self._check_emissions(emitted, given)
+        actions: list[Action] = []
+        for e in emitted:
             call = self._calls.get(e.cid)
-            if call is None or call.state is EngineCallState.FAILED:
-                continue  # dropped while stepping
+            if call is None or e.cid not in given or e.cid in broken:
+                continue  # dropped while stepping, a stray (logged), or failed below
             if isinstance(e, Output):
                 actions.append(PublishOutput(e.cid, call.outputs, e.data))
                 call.outputs += 1
-            elif isinstance(e, EdgeItem):
-                if e.edge not in call.out_edges:
-                    raise ValueError(f"partition {self.name} emitted on {e.edge!r}, not one of its edges {self.outputs}")
+            else:
                 actions.append(PublishEdgeItem(e.cid, e.edge, call.out_edges[e.edge], e.item))
                 call.out_edges[e.edge] += 1
         for s in batch:
             call = self._calls.get(s.cid)
             if call is None:
-                if s.cid in self._drop_after_step:
-                    self._drop_after_step.discard(s.cid)
-                    self.partition.drop_call(s.cid)
+                self._after_step_gone(s.cid)
                 continue
             call.in_flight = False
             self._dirty[call.cid] = None  # input that arrived while it was in flight
-            if not call.inputs_ended:
-                continue
-            if self.partition.wants_step(call.cid):
-                if call.state is EngineCallState.RUNNING:
-                    call.move(EngineCallState.DRAINING)
-                continue
-            actions.extend(self._finish(call))
+            if s.cid in broken or s.cid in self._wants_failed:
+                actions += self._fail(call, ModelFailed(self.name, broken.get(s.cid, "wants_step")))
+            elif call.inputs_ended:
+                actions += self._after_input(call)
         return actions
 
+    def _check_emissions(self, emitted: list[Emission], given: set[str]) -> dict[str, str]:
+        """Calls of the batch whose emissions break the API (an edge not the partition's): those
+        calls fail, the others of the batch go on. An emission for a call the step was not
+        given is dropped and logged, and fails nothing: the call it names may be healthy."""
+        broken: dict[str, str] = {}
+        stray: list[str] = []
+        for e in emitted:
+            if e.cid not in given:
+                stray.append(e.cid)
+            elif isinstance(e, EdgeItem) and e.edge not in self.outputs and e.cid not in broken:
+                broken[e.cid] = "step"
+                self.stats.model_errors += 1
+                log.error("partition %s emitted on %r, not one of its edges %s, for %s", self.name, e.edge, self.outputs, e.cid)
+        if stray:
+            self.stats.stray_emissions += len(stray)
+            self.stats.model_errors += 1
+            log.error("partition %s emitted for calls its step was not given (dropped): %s", self.name, sorted(set(stray))[:8])
+        return broken
+
+    def _after_input(self, call: _Call) -> list[Action]:
+        """A call whose inputs have all ended: it drains while the partition wants steps for it,
+        then finishes."""
+        wants = self._wants_step(call.cid)
+        if call.cid in self._wants_failed:  # it raised just now
+            return self._fail(call, ModelFailed(self.name, "wants_step"))
+        if not wants:
+            return self._finish(call)
+        if call.state is EngineCallState.RUNNING:
+            call.move(EngineCallState.DRAINING)
+        return []
+
     def _finish(self, call: _Call) -> list[Action]:
+        self._remove(call)
+        try:
+            usage = self.partition.close_call(call.cid)
+            if not isinstance(usage, dict):
+                raise TypeError(f"close_call returned a {type(usage).__name__}, not a dict")
+        except Exception as e:
+            # close_call had its one try at the call's state: no drop_call after it.
+            call.move(EngineCallState.FAILED)
+            return [FailCall(call.cid, self._model_error("close_call", [call.cid], e))]
         call.move(EngineCallState.FINISHED)
-        del self._calls[call.cid]
-        self._release(call)
-        usage = self.partition.close_call(call.cid)
         actions: list[Action] = [PublishEdgeEnd(call.cid, e, n) for e, n in call.out_edges.items()]
         actions.append(PublishDone(call.cid, call.outputs, usage))
         return actions

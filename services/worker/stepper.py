@@ -68,19 +68,20 @@ class Stepper:
             await asyncio.sleep(window)
 
     async def _run_step(self, name: str, r: Runner, batch: list[StepInput]) -> list[eng.Action]:
+        """The partition's step, then the engine's account of it. Model code that raises fails
+        the calls it concerns, never the worker (I-4): the engine logs the exception and fails
+        them with a line that names only the partition (engine.Engine.step_failed, complete)."""
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
             if r.blocking:
                 emissions = await asyncio.to_thread(r.engine.partition.step, batch)
             else:
                 emissions = r.engine.partition.step(batch)
-            self.ctx.metrics.step_seconds.labels(name).observe(time.perf_counter() - start)
-            self.ctx.metrics.batch_size.labels(name).observe(len(batch))
-            return r.engine.complete(batch, emissions)
-        except Exception:  # model code: a model bug fails the batch's calls, not the process (I-4)
-            log.exception("step of %s failed", name)
-            err = WorkerFailed(f"partition {name} failed")  # the exception's text is for the log, not the client
-            return [a for s in batch for a in r.engine.fail_call(s.cid, err)]
+        except Exception as e:
+            return r.engine.step_failed(batch, e)
+        self.ctx.metrics.step_seconds.labels(name).observe(time.perf_counter() - start)
+        self.ctx.metrics.batch_size.labels(name).observe(len(batch))
+        return r.engine.complete(batch, emissions)
 
     async def carry_out(self, actions: list[eng.Action], partition: str) -> None:
         """Publish what an engine made, in order; an edge whose consumer runs the call here is
@@ -92,9 +93,9 @@ class Stepper:
                 )
                 await self.ctx.bus.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
-                body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item)))
+                body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item), walk=a.walk))
                 await self.ctx.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
-                if (took := self.intake.hand_over_item(a.cid, a.edge, a.seq, a.item)) is not None:
+                if (took := self.intake.hand_over_item(a.cid, a.edge, a.seq, a.item, a.walk)) is not None:
                     await self.carry_out(*took)
             elif isinstance(a, eng.PublishEdgeEnd):
                 # Stored behind (self.ends): the step loop does not wait for the ack.

@@ -73,6 +73,17 @@ class WorkerFailed(DuplexError):
     status = 500
 
 
+class ModelFailed(WorkerFailed):
+    """A partition's own code failed a call: it raised in `during` (step, close_call,
+    wants_step), or broke the model API there (an emission on an edge not its own). The
+    client is told only which partition failed; the exception is in the worker's log."""
+
+    def __init__(self, partition: str, during: str) -> None:
+        super().__init__(f"partition {partition} failed")
+        self.partition = partition
+        self.during = during
+
+
 class ConfigError(DuplexError):
     """Invalid serving config; `key` names the offending key. Raised at start-up."""
 
