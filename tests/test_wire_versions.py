@@ -138,10 +138,11 @@ def test_unknown_fields_are_ignored_at_every_depth() -> None:
     assert data is not None and data.tolist() == [1, 2]
 
 
-def test_a_message_written_before_minors_were_carried_reads_as_minor_0() -> None:
-    # Bytes as the 1.0 release encoded them: `v` and no `vm`.
+def test_a_message_written_before_minors_were_carried_reads_as_this_processs_minor() -> None:
+    # Bytes as the 1.0 release encoded them: `v` and no `vm` (the default, this process's own:
+    # a reader decides by the fields present, never by the minor).
     msg = wire.decode_as(b"\x84\xa1t\xa5abort\xa6reason\xa4gone\xa6status\xcd\x01\xf7\xa1v\x01", wire.Abort)
-    assert (msg.reason, msg.status, msg.v, msg.vm) == ("gone", 503, 1, 0)
+    assert (msg.reason, msg.status, msg.v, msg.vm) == ("gone", 503, 1, wire.MINOR)
     item = wire.decode_as(
         b"\x85\xa1t\xa2in\xa3seq\x03\xa4item\x82\xa4data\x83\xa5dtype\xa3<i2\xa5shape\x91\x02\xa4data\xc4\x04"
         b"\x01\x00\x02\x00\xa4meta\x81\xa1k\x01\xa7sent_ns\x00\xa1v\x01",

@@ -19,7 +19,7 @@ from shared.runtime.errors import DuplexError, LimitExceeded, ModelFailed, Proto
 from shared.runtime.states import checked
 from shared.sdk.chunking import Chunk, Item, StreamBuffer
 from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
-from shared.sdk.topology import PartitionTopology
+from shared.sdk.topology import PartitionTopology, ProducerWalkCtx
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class PublishEdgeItem:
     edge: str
     seq: int
     item: Item
+    walk: str = ""  # the consumer's walk for it (the edge's consumer_walk); "": the edge drives none
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class _Call:
     last_time: float = -math.inf  # when it was last served (paces steps without input)
     in_flight: bool = False  # part of the batch being stepped now
     held: int = 0  # bytes its stream buffers hold (the sum of their held_bytes)
+    walk: str = ""  # the walk it last ran under: a step without new input runs under it again
 
     def move(self, to: EngineCallState) -> None:
         self.state = checked(f"call {self.cid}", self.state, to, _TRANSITIONS)
@@ -134,6 +136,10 @@ class Engine:
         self.max_batch = max_batch
         self.inputs = topology.inputs_of(partition_name)
         self.outputs = [c.edge_name for c in topology.outputs_of(partition_name)]
+        # Walks: the hooks that name the consumer's walk for what this partition emits, and
+        # the input edges that drive this partition's own walk (see shared/sdk/topology.py).
+        self._walk_hooks = {c.edge_name: c.consumer_walk for c in topology.outputs_of(partition_name) if c.consumer_walk}
+        self._driving = {c.edge_name for c in self.inputs if c.consumer_walk is not None}
         self._calls: dict[str, _Call] = {}
         self._dirty: dict[str, None] = {}  # calls that got input since they were last served (ordered set)
         self._drop_after_step: set[str] = set()  # failed while in a step: partition state dropped after it
@@ -226,7 +232,9 @@ class Engine:
         call = self._calls.get(cid)
         return call is not None and any(b.has_chunk() for b in call.buffers.values())
 
-    def push(self, cid: str, edge: str, seq: int, item: Item) -> list[Action]:
+    def push(self, cid: str, edge: str, seq: int, item: Item, walk: str = "") -> list[Action]:
+        """`walk`: the one the producer named for the item; it counts only on an edge that
+        drives this partition's walk (a producer whose model differs cannot stall a call)."""
         call = self._calls.get(cid)
         if call is None or call.state in (EngineCallState.FINISHED, EngineCallState.FAILED):
             return []
@@ -235,7 +243,7 @@ class Engine:
             return self._fail(call, ProtocolError(f"partition {self.name} has no input edge {edge!r}"))
         before = buf.held_bytes
         try:
-            buf.push(seq, item)
+            buf.push(seq, item, walk if edge in self._driving else "")
         except (ProtocolError, LimitExceeded) as e:
             return self._fail(call, e)
         call.held += buf.held_bytes - before
@@ -335,14 +343,30 @@ class Engine:
         due = [c.last_time + self.tick_s - now for c in self._calls.values() if self._idle_wants(c)]
         return max(0.0, min(due)) if due else None
 
+    def _next_walk(self, call: _Call) -> str:
+        """The walk of the call's next chunk (of its first input edge that has one), else the
+        walk it last ran under."""
+        for buf in call.buffers.values():
+            if (walk := buf.next_walk) is not None:
+                return walk
+        return call.walk
+
     def next_batch(self, now: float = math.inf) -> list[StepInput]:
-        """Up to max_batch calls, one chunk per input edge each, least recently served first."""
+        """Up to max_batch calls, one chunk per input edge each, least recently served first.
+        Where a stream drives the walk, the batch holds one walk only: the least recently
+        served call's, so a walk few calls run is served as soon as its turn comes."""
         ready = self._candidates(now)
         ready.sort(key=lambda c: c.last_step)
+        walk = ""
+        if self._driving and ready:
+            walk = self._next_walk(ready[0])
+            ready = [c for c in ready if self._next_walk(c) == walk]
         batch: list[StepInput] = []
         for call in ready[: self.max_batch]:
             chunks: dict[str, Chunk] = {}
             for edge, buf in call.buffers.items():
+                if buf.next_walk != walk:
+                    continue  # none to release, or its next chunk runs under another walk: a later step's
                 before = buf.held_bytes
                 chunk = buf.pop_chunk()
                 if chunk is not None:
@@ -352,7 +376,8 @@ class Engine:
             call.in_flight = True
             call.last_step = self._step_no
             call.last_time = now if math.isfinite(now) else -math.inf
-            batch.append(StepInput(call.cid, chunks, inputs_ended=call.inputs_ended))
+            call.walk = walk
+            batch.append(StepInput(call.cid, chunks, inputs_ended=call.inputs_ended, walk=walk))
         self._step_no += 1
         if batch and math.isfinite(now):
             self.in_step_since = now
@@ -415,6 +440,7 @@ class Engine:
             return self._batch_failed(batch, self._model_error("step", [s.cid for s in batch], err))
         given = {s.cid for s in batch}
         broken = self._check_emissions(emitted, given)
+        walks = self._consumer_walks(emitted, batch, broken)
         actions: list[Action] = []
         for e in emitted:
             call = self._calls.get(e.cid)
@@ -424,7 +450,8 @@ class Engine:
                 actions.append(PublishOutput(e.cid, call.outputs, e.data))
                 call.outputs += 1
             else:
-                actions.append(PublishEdgeItem(e.cid, e.edge, call.out_edges[e.edge], e.item))
+                walk = walks.get(id(e), "")
+                actions.append(PublishEdgeItem(e.cid, e.edge, call.out_edges[e.edge], e.item, walk))
                 call.out_edges[e.edge] += 1
         for s in batch:
             call = self._calls.get(s.cid)
@@ -457,6 +484,30 @@ class Engine:
             self.stats.model_errors += 1
             log.error("partition %s emitted for calls its step was not given (dropped): %s", self.name, sorted(set(stray))[:8])
         return broken
+
+    def _consumer_walks(self, emitted: list[Emission], batch: list[StepInput], broken: dict[str, str]) -> dict[int, str]:
+        """The consumer's walk for each edge item on a walk-driving edge (id of the emission ->
+        walk), from the edge's consumer_walk. A hook that raises or names no walk (not a
+        non-empty str) breaks the API: its call fails, as for an unknown edge."""
+        if not self._walk_hooks:
+            return {}
+        producer_walk = {s.cid: s.walk for s in batch}
+        walks: dict[int, str] = {}
+        for e in emitted:
+            hook = self._walk_hooks.get(e.edge) if isinstance(e, EdgeItem) else None
+            if hook is None or e.cid not in producer_walk or e.cid in broken:
+                continue
+            assert isinstance(e, EdgeItem)
+            try:
+                walk = hook(ProducerWalkCtx(e.cid, e.item, producer_walk[e.cid]))
+                if not isinstance(walk, str) or not walk:
+                    raise TypeError(f"consumer_walk of edge {e.edge!r} returned {walk!r}, not a walk's name")
+            except Exception as error:
+                broken[e.cid] = "consumer_walk"
+                self._model_error("consumer_walk", [e.cid], error)
+                continue
+            walks[id(e)] = walk
+        return walks
 
     def _after_input(self, call: _Call) -> list[Action]:
         """A call whose inputs have all ended: it drains while the partition wants steps for it,
@@ -513,8 +564,8 @@ class LocalPipeline:
             eng.add_call(cid, model_kwargs)
         self.outputs[cid], self.usage[cid], self.errors[cid] = [], {}, []
 
-    def push(self, cid: str, edge: str, seq: int, item: Item) -> None:
-        self._apply(self.engines[self._consumer[edge]].push(cid, edge, seq, item), None)
+    def push(self, cid: str, edge: str, seq: int, item: Item, walk: str = "") -> None:
+        self._apply(self.engines[self._consumer[edge]].push(cid, edge, seq, item, walk), None)
 
     def end(self, cid: str, edge: str, total: int) -> None:
         self._apply(self.engines[self._consumer[edge]].end(cid, edge, total), None)
@@ -525,7 +576,7 @@ class LocalPipeline:
                 assert partition is not None
                 self.outputs[a.cid].append((partition, a.data))
             elif isinstance(a, PublishEdgeItem):
-                self.push(a.cid, a.edge, a.seq, a.item)
+                self.push(a.cid, a.edge, a.seq, a.item, a.walk)
             elif isinstance(a, PublishEdgeEnd):
                 self.end(a.cid, a.edge, a.total)
             elif isinstance(a, PublishDone):

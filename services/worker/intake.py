@@ -269,7 +269,8 @@ class Intake:
                 self.reads.live_input(s.cid, partition, time.monotonic())
                 if isinstance(msg, wire.InputItem) and msg.sent_ns:
                     self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
-            actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item())
+            walk = msg.walk if isinstance(msg, wire.EdgeItemMsg) else ""
+            actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item(), walk)
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
             if live:
                 self.reads.live_input(s.cid, partition, time.monotonic())
@@ -290,9 +291,9 @@ class Intake:
             return None
         return self.ctx.runners[consumer]
 
-    def hand_over_item(self, cid: str, edge: str, seq: int, item: Item) -> Took | None:
-        """An edge item a partition here produced, to its consumer here (None: none here, or
-        it waits in the stream, as live input does without room)."""
+    def hand_over_item(self, cid: str, edge: str, seq: int, item: Item, walk: str = "") -> Took | None:
+        """An edge item a partition here produced (with the consumer's walk for it), to its
+        consumer here (None: none here, or it waits in the stream, as live input does without room)."""
         if (r := self.local_consumer(cid, edge)) is None:
             return None
         if self.reads.paused(cid, r.engine.name):
@@ -302,7 +303,7 @@ class Intake:
             return None
         self.reads.live_input(cid, r.engine.name, time.monotonic())
         r.wake.set()
-        return r.engine.push(cid, edge, seq, item), r.engine.name
+        return r.engine.push(cid, edge, seq, item, walk), r.engine.name
 
     def hand_over_end(self, cid: str, edge: str, total: int) -> Took | None:
         """An edge's end, to its consumer here (paused too: an end holds nothing)."""

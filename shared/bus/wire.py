@@ -24,8 +24,9 @@ from shared.sdk.chunking import Item
 # `v` stays the major alone: the decoders already deployed refuse any `v` above 1, so a
 # new minor must never raise it. The minor travels beside it, in `vm`, which those
 # decoders ignore like any field they do not know.
+# Minors: 1.1 added EdgeItemMsg.walk.
 MAJOR = 1
-MINOR = 0
+MINOR = 1
 _T = TypeVar("_T", bound="Msg")
 
 
@@ -95,6 +96,9 @@ class EdgeItemMsg(Msg, tag="edge"):
 
     seq: int
     item: WireItem
+    # 1.1: the walk the consumer runs the item's chunk under (the edge's consumer_walk named
+    # it on the producer's side); "": none named (an edge that drives no walk, or a 1.0 writer).
+    walk: str = ""
 
 
 class EdgeEnd(Msg, tag="edge_end"):

@@ -3,7 +3,9 @@
 A stream is a sequence of items numbered from 0. A chunk policy decides when
 buffered items are released to the partition and how they are collated into
 one chunk. End of a stream is a count: the buffer is complete once it has seen
-that many items, whatever order the items and the count arrived in.
+that many items, whatever order the items and the count arrived in. Each item carries
+the walk it runs under (shared/sdk/topology.py; "" for a stream that drives none): a
+chunk holds items of one walk only, cut where the walk changes.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Chunk:
     items: list[Item]
     first_seq: int
     last: bool = False  # the stream ends with this chunk
+    walk: str = ""  # the walk all its items run under
 
     @property
     def data(self) -> np.ndarray | None:
@@ -79,6 +82,14 @@ class CatchUpChunkPolicy(ChunkPolicy):
         return min(available, self.max_items)
 
 
+@dataclass
+class _Run:
+    """Consecutive ready items of one walk."""
+
+    walk: str
+    count: int
+
+
 ITEM_OVERHEAD = 256  # bytes an item costs beside its tensor's (the objects around it), for bounds in bytes
 
 
@@ -91,8 +102,10 @@ class StreamBuffer:
     """Reorders, deduplicates and counts one call's items on one edge.
 
     Items may arrive twice (live subscription and catch-up read overlap) or out of
-    order; each seq is kept once. It holds whatever it is given: how much a worker
-    takes at once is its flow control's to bound (`held_bytes` says what is held here).
+    order; each seq is kept once. The ready items are kept as runs of one walk: the policy
+    sees only the head run (whose end closes the chunk, as the stream's end does), so a
+    chunk never mixes walks. It holds whatever it is given: how much a worker takes at once
+    is its flow control's to bound (`held_bytes` says what is held here).
     `max_items`, the stream's declared bound, refuses any item numbered past it.
     """
 
@@ -100,7 +113,9 @@ class StreamBuffer:
         self.policy = policy
         self.max_items = max_items
         self._ready: deque[Item] = deque()  # contiguous from self._next_release
-        self._pending: dict[int, Item] = {}  # arrived ahead of a gap
+        self._runs: deque[_Run] = deque()  # _ready as runs of one walk, in order
+        self._last_walk = ""  # of the last chunk released: the empty final chunk's walk
+        self._pending: dict[int, tuple[Item, str]] = {}  # arrived ahead of a gap, with its walk
         self._next_release = 0  # seq of the first item in _ready
         self._next_expected = 0  # seq that would extend _ready
         self.total: int | None = None  # count from the end-of-stream message
@@ -126,8 +141,8 @@ class StreamBuffer:
         """Not held nor released yet (a push of it would not be a duplicate)."""
         return seq >= self._next_expected and seq not in self._pending
 
-    def push(self, seq: int, item: Item) -> bool:
-        """Add an item; False if it was a duplicate."""
+    def push(self, seq: int, item: Item, walk: str = "") -> bool:
+        """Add an item, run under `walk`; False if it was a duplicate."""
         if not self.is_new(seq):
             return False
         if self.total is not None and seq >= self.total:
@@ -136,14 +151,32 @@ class StreamBuffer:
             raise LimitExceeded("stream_buffer", f"item {seq} is past the stream's declared bound of {self.max_items} items")
         self.held_bytes += item_bytes(item)
         if seq == self._next_expected:
-            self._ready.append(item)
-            self._next_expected += 1
+            self._append(item, walk)
             while self._next_expected in self._pending:
-                self._ready.append(self._pending.pop(self._next_expected))
-                self._next_expected += 1
+                self._append(*self._pending.pop(self._next_expected))
         else:
-            self._pending[seq] = item
+            self._pending[seq] = (item, walk)
         return True
+
+    def _append(self, item: Item, walk: str) -> None:
+        self._ready.append(item)
+        self._next_expected += 1
+        if self._runs and self._runs[-1].walk == walk:
+            self._runs[-1].count += 1
+        else:
+            self._runs.append(_Run(walk, 1))
+
+    def _head(self) -> tuple[str, int, bool]:
+        """The head run's walk and length, and whether nothing more joins it (a walk change
+        follows it, or the stream is complete)."""
+        if not self._runs:
+            return self._last_walk, 0, self.complete
+        return self._runs[0].walk, self._runs[0].count, self.complete or len(self._runs) > 1
+
+    @property
+    def next_walk(self) -> str | None:
+        """The walk of the next chunk, None while there is none to release."""
+        return self._head()[0] if self.has_chunk() else None
 
     def end(self, total: int) -> None:
         if self.total is not None and self.total != total:
@@ -157,18 +190,26 @@ class StreamBuffer:
             return False
         if self.complete and not self._ready:
             return True  # an empty final chunk tells the partition the stream ended
-        return self.policy.take(len(self._ready), self.complete) > 0
+        _, available, closed = self._head()
+        return self.policy.take(available, closed) > 0
 
     def pop_chunk(self) -> Chunk | None:
         if self.finished:
             return None
-        n = self.policy.take(len(self._ready), self.complete)
+        walk, available, closed = self._head()
+        n = min(self.policy.take(available, closed), available)
         if n == 0 and not (self.complete and not self._ready):
             return None
         items = [self._ready.popleft() for _ in range(n)]
         for i in items:
             self.held_bytes -= ITEM_OVERHEAD if i.data is None else ITEM_OVERHEAD + i.data.nbytes
-        chunk = Chunk(items=items, first_seq=self._next_release)
+        if n == available:
+            if self._runs:
+                self._runs.popleft()
+        elif n:
+            self._runs[0].count -= n
+        self._last_walk = walk
+        chunk = Chunk(items=items, first_seq=self._next_release, walk=walk)
         self._next_release += n
         if self.complete and not self._ready:
             chunk.last = True

@@ -57,6 +57,7 @@ class StepInput:
     cid: str
     chunks: dict[str, Chunk]  # edge -> the chunk released this step
     inputs_ended: bool = False  # every input stream has ended and been released
+    walk: str = ""  # the walk the call runs under this step ("": no stream drives the partition); one per batch
 
 
 @dataclass
