@@ -15,9 +15,15 @@ $(PY):
 
 # Reinstall only when the dependencies change (a second `make up` starts in seconds). Every
 # version comes from constraints.txt: two installs made months apart get the same packages.
-$(STAMP): pyproject.toml constraints.txt | $(PY)
+# The worked example of a model package (docs/models.md) is installed too, so that its entry
+# point (`--model reverse`) is there for the suite. It is built with the venv's setuptools,
+# constraints.txt's version (a venv of Python 3.12 or later has none of its own), not in an
+# isolated build environment that would fetch one.
+$(STAMP): pyproject.toml constraints.txt examples/reverse_model/pyproject.toml | $(PY)
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[models,dev,eval]'
+	$(PY) -m pip install -q -c constraints.txt setuptools
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e examples/reverse_model
 	touch $(STAMP)
 
 # constraints.txt again from what .venv holds now (after an upgrade there passed the tests).

@@ -13,19 +13,30 @@ from typing import Any
 
 import numpy as np
 
-from shared.sdk.audio import b64_pcm16, pcm16_from_b64
-from shared.sdk.chunking import CatchUpChunkPolicy, Item
-from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
-from shared.sdk.realtime import (
+from duplexbus.sdk import (
+    CLIENT,
+    CallInfo,
+    CatchUpChunkPolicy,
+    ClientStreamLimits,
+    Connection,
+    EdgeItem,
+    Emission,
+    Item,
+    Model,
     ModelEvent,
+    Output,
+    Partition,
+    PartitionTopology,
     RealtimeMapping,
     ReplyAudio,
     ReplyEnded,
     ReplyStarted,
     SpeechStarted,
     SpeechStopped,
+    StepInput,
+    b64_pcm16,
+    pcm16_from_b64,
 )
-from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 
 SAMPLE_RATE = 16_000
 FRAME = 1280  # 80 ms

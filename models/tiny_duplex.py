@@ -45,10 +45,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared.runtime.errors import Overloaded
-from shared.sdk.chunking import FixedChunkPolicy
-from shared.sdk.model import CallInfo, Emission, Model, Output, Partition, StepInput
-from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from duplexbus.sdk import (
+    CLIENT,
+    CallInfo,
+    ClientStreamLimits,
+    Connection,
+    Emission,
+    FixedChunkPolicy,
+    Model,
+    Output,
+    Overloaded,
+    Partition,
+    PartitionTopology,
+    StepInput,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,7 @@ from shared.bus.embedded import free_port
 def test_an_unknown_model_is_a_config_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     assert main([*argv, "--model", "nope"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: model: unknown model 'nope'; served: ")
+    assert err.startswith("config error: model: unknown model 'nope' (built-in: echo, tiny_duplex, voice_assistant; installed")
     assert "Traceback" not in err and err.count("\n") == 1
 
 

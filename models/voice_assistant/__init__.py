@@ -28,11 +28,17 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from shared.runtime.errors import ConfigError
-from shared.sdk.chunking import CatchUpChunkPolicy
-from shared.sdk.model import Model, Partition
-from shared.sdk.realtime import RealtimeMapping
-from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from duplexbus.sdk import (
+    CLIENT,
+    CatchUpChunkPolicy,
+    ClientStreamLimits,
+    ConfigError,
+    Connection,
+    Model,
+    Partition,
+    PartitionTopology,
+    RealtimeMapping,
+)
 
 SAMPLE_RATE = 16_000
 FRAME = 1280  # samples per client item: 80 ms at 16 kHz

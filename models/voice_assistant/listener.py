@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.sdk.chunking import Item
-from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
+from duplexbus.sdk import CallInfo, EdgeItem, Emission, Item, Output, Partition, StepInput
 
 SAMPLE_RATE = 16_000
 WINDOW = 512  # silero-vad window at 16 kHz (32 ms)

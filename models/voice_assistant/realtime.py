@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.sdk.audio import pcm16_from_b64
-from shared.sdk.realtime import (
+from duplexbus.sdk import (
     InputTranscript,
     ModelEvent,
     RealtimeMapping,
@@ -26,6 +25,7 @@ from shared.sdk.realtime import (
     ReplyStarted,
     SpeechStarted,
     SpeechStopped,
+    pcm16_from_b64,
 )
 
 

@@ -34,8 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.sdk.chunking import Item
-from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, Partition, StepInput
+from duplexbus.sdk import CallInfo, EdgeItem, Emission, Item, Output, Partition, StepInput
 
 SAMPLE_RATE = 16_000
 log = logging.getLogger(__name__)

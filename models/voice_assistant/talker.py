@@ -49,9 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from duplexbus.sdk import CallInfo, Emission, Output, Partition, StepInput, b64_pcm16
 from models.voice_assistant.text import reply_text, split_pieces
-from shared.sdk.audio import b64_pcm16
-from shared.sdk.model import CallInfo, Emission, Output, Partition, StepInput
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ class FrontendService:
         self.metrics.live_calls.set_function(lambda: len(self.calls))
         # Load the served model and check the config's client_streams against it now, so a
         # bad name or bound stops the process at start-up with an error naming the key.
-        served_model(self.default_model)
+        self.served = served_model(self.default_model)
         self.model(self.default_model)
 
     @property
@@ -210,21 +210,21 @@ class FrontendService:
         await bus.close()
 
     def model(self, name: str | None) -> Model:
-        name = name or self.default_model
-        m = get_model(name)
-        if name not in self._limits:
+        """The model a client asks for (None: the served one), its limits kept by its own name:
+        the served model may be asked for by the name or path it was configured with, or by its name."""
+        m = get_model(name or self.default_model)
+        if m.name not in self._limits:
             # Only the served model's limits come from the config's client_streams.
-            self._limits[name] = (
+            self._limits[m.name] = (
                 m.topology.stream_limits(self.config.max_items_overrides)
-                if name == self.default_model
+                if m is self.served
                 else {e: c.limits.max_items if c.limits else None for e, c in m.topology.client_edges().items()}
             )
         return m
 
     def stream_limits(self, name: str) -> dict[str, int | None]:
         """max_items per client stream of model `name`, as calls of it are bounded."""
-        self.model(name)
-        return self._limits[name]
+        return self._limits[self.model(name).name]
 
     # -- calls -----------------------------------------------------------------
     async def open_call(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None = None) -> RelayedCall:
@@ -252,8 +252,8 @@ class FrontendService:
             self._opening -= 1
 
     async def _open_call(self, o: Opening, sink: Sink, on_end: Callable[[RelayedCall], None] | None) -> RelayedCall:
-        model_name = o.model or self.default_model
-        model = self.model(model_name)
+        model = self.model(o.model)
+        model_name = model.name  # on the wire: the name workers heartbeat, however it was asked for
         now = time.monotonic()
         inp = CallInput(model, self._limits[model_name], self.config.max_call_input_bytes, now)
         prepared = inp.accept(o.input, opening=True, end=o.end_input, now=now)

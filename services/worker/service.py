@@ -21,6 +21,7 @@ from services.worker.calls import AssignedCall, Context, Runner
 from services.worker.flow import Bounds
 from services.worker.intake import Intake
 from services.worker.stepper import Stepper
+from services.worker.stuck import Health, Sample, StuckWatch
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection
 from shared.bus.life import SignsOfLife
@@ -29,7 +30,7 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError, ConfigError
 from shared.runtime.health import HealthServer
 from shared.runtime.metrics import WorkerMetrics
-from shared.runtime.process import cancel_and_wait
+from shared.runtime.process import cancel_and_wait, exit_after, stop_bound_s
 from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class WorkerService:
         self.readiness = Readiness(config.heartbeat_s)
         self.health_port = health_port  # /livez, /readyz, /metrics on it (None: not served)
         self.model = served_model(model)
-        self.model_name = model
+        self.model_name = self.model.name  # on the wire: the name a frontend opens calls of it by
         topo = self.model.topology
         self.partitions = partitions or list(topo.partitions)
         for p in self.partitions:
@@ -75,6 +76,8 @@ class WorkerService:
         self.intake = Intake(ctx, topo, bounds, self._carry_out)
         self.stepper = Stepper(ctx, self.intake, config.step_window_ms / 1000)
         self.assignment = Assignment(ctx, self.intake, lambda: self._accepting, lambda: self.capacity)
+        self.watch = StuckWatch(config.worker_stuck_s, config.worker_replace_s)
+        self.replaced = False  # it stopped to be replaced (stuck): the process exits with status 1
 
     @property
     def bus(self) -> BusConnection:
@@ -93,9 +96,13 @@ class WorkerService:
     @property
     def capacity(self) -> int:
         """worker_slots, or less where a partition holds fewer calls (its KV cache pool);
-        0 while stopping, so the conductor places no new call here."""
-        if not self._accepting:
+        0 while stopping or stuck, so the conductor places no new call here."""
+        if not self._accepting or not self.watch.ready:
             return 0
+        return self._slots
+
+    @property
+    def _slots(self) -> int:
         bounds = [self.config.worker_slots]
         bounds += [c for r in self.runners.values() if (c := r.engine.partition.capacity()) is not None]
         return min(bounds)
@@ -110,7 +117,7 @@ class WorkerService:
         self.readiness.conn = self.bus
         health = None
         if self.health_port is not None:  # on the serving host: loopback unless the config opens it
-            health = HealthServer(self.metrics, self.readiness, host=self.config.host, port=self.health_port)
+            health = HealthServer(self.metrics, self.checks, host=self.config.host, port=self.health_port)
             await health.start()
         # In NATS service discovery (`nats micro ls`), with its figures at ctl.worker.{id}.stats.
         meta = {"worker_id": self.worker_id, "model": self.model_name, "partitions": ",".join(self.partitions)}
@@ -122,6 +129,7 @@ class WorkerService:
             steps = tg.create_task(self.stepper.run())
             hb = tg.create_task(self.life.run())
             repairs = tg.create_task(self.intake.run())
+            watch = tg.create_task(self._watch(stop))
             await stop.wait()
             # Graceful: stop intake (a heartbeat with no capacity left), let running calls
             # finish, and only then leave: a deleted key is a lost worker to the conductor,
@@ -134,12 +142,50 @@ class WorkerService:
             await self._drain(timeout=self.config.shutdown_drain_s)
             await cancel_and_wait(hb)  # its connection flushed and closed: no heartbeat lands after the delete
             await kv.delete_if_there(self.worker_id)
-            await cancel_and_wait(repairs, steps, ready)
+            await cancel_and_wait(repairs, steps, ready, watch)
         await announced.stop()
         if health is not None:
             await health.close()
         await self.intake.close()
         await self.bus.close()
+
+    def checks(self) -> dict[str, bool]:
+        """/readyz: the bus's checks, and `serving`: not stuck (services/worker/stuck.py)."""
+        return {**self.readiness(), "serving": self.watch.ready}
+
+    def sample(self) -> Sample:
+        engines = [r.engine for r in self.runners.values()]
+        since = [e.in_step_since for e in engines if e.in_step_since is not None]
+        return Sample(
+            moved=sum(e.stats.opened + e.stats.ended for e in engines),
+            steps=sum(e.stats.steps for e in engines),
+            refusals=self.assignment.refusals,
+            full=self.load >= self._slots,
+            step_since=min(since, default=None),
+        )
+
+    def observe(self, now: float, stop: asyncio.Event) -> None:
+        """One look of the stuck watch; stuck past worker_replace_s, the worker stops to be
+        replaced. A step stuck in a thread would hold the process's exit: past the stop's own
+        bound it exits all the same."""
+        before = self.watch.state
+        state = self.watch.observe(now, self.sample())
+        if state is before:
+            return
+        if state is Health.STUCK:
+            log.error("worker %s is stuck, not ready: %s", self.worker_id, self.watch.why)
+        elif state is Health.SERVING:
+            log.warning("worker %s is ready again", self.worker_id)
+        elif state is Health.REPLACING:
+            log.error("worker %s stuck for worker_replace_s more (%s): stopping, to be replaced", self.worker_id, self.watch.why)
+            self.replaced = True
+            exit_after(stop_bound_s(self.config.shutdown_drain_s), f"worker {self.worker_id}, stuck,")
+            stop.set()
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.observe(time.monotonic(), stop)
+            await asyncio.sleep(self.config.heartbeat_s)
 
     def _heartbeat(self) -> bytes:
         return wire.encode(
