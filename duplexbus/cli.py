@@ -85,7 +85,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     setup_logging("worker", args.log_format)
     cfg = _config(args)
     worker = WorkerService(cfg, cfg.model, worker_partitions(args.partition), health_port=health_port(args))
-    return _serve(worker.run, cfg.shutdown_drain_s + STOP_GRACE_S)
+    code = _serve(worker.run, cfg.shutdown_drain_s + STOP_GRACE_S)
+    return 1 if worker.replaced else code  # stuck (worker_replace_s): its supervisor starts a new one
 
 
 PARTITIONS_ENV = "DUPLEXBUS_PARTITIONS"

@@ -152,7 +152,8 @@ async def test_a_live_workers_metrics_livez_and_readyz(observed: Observed) -> No
     await call.finish(logs=observed.stack.logs())
     assert await asyncio.to_thread(_get, f"http://127.0.0.1:{observed.worker}/livez") == (200, b'{"live": true}')
     status, body = await _ready(observed.worker)
-    assert status == 200 and json.loads(body) == {"ready": True, "checks": {"nats": True, "stream": True, "conductor": True}}
+    checks = {"nats": True, "stream": True, "conductor": True, "serving": True}  # serving: not stuck (worker_stuck_s)
+    assert status == 200 and json.loads(body) == {"ready": True, "checks": checks}
     text = await _worker_metrics(observed)
     for partition in ("Encoder", "Talker"):  # echo's two, both on this worker
         assert _metric(text, "duplexbus_worker_batch_size_count", f'{{partition="{partition}"}}') >= 1

@@ -38,6 +38,7 @@ class Assignment:
         self.intake = intake
         self._accepting = accepting
         self._capacity = capacity
+        self.refusals = 0  # calls refused for want of room (full, or a partition's own bound): the stuck watch counts them
 
     async def on_assign(self, msg: BusMsg) -> None:
         reply = await self.answer(msg.data)
@@ -56,6 +57,8 @@ class Assignment:
             log.exception("assign failed on the bus")
             return wire.AssignReply(ok=False, error=TAKE_FAILED)
         except DuplexError as e:  # ours, worded for the client: full, stopping, a bad message
+            if isinstance(e, Overloaded):
+                self.refusals += 1
             return wire.AssignReply(ok=False, error=e.message)
         except Exception:  # a model's open_call raised: a model's exception must not end the worker
             log.exception("assign failed")

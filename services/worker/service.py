@@ -166,8 +166,7 @@ class WorkerService:
 
     def observe(self, now: float, stop: asyncio.Event) -> None:
         """One look of the stuck watch; stuck past worker_replace_s, the worker stops to be
-        replaced. A step stuck in a thread would hold the process's exit: past the stop's own
-        bound it exits all the same."""
+        replaced."""
         before = self.watch.state
         state = self.watch.observe(now, self.sample())
         if state is before:
@@ -179,12 +178,16 @@ class WorkerService:
         elif state is Health.REPLACING:
             log.error("worker %s stuck for worker_replace_s more (%s): stopping, to be replaced", self.worker_id, self.watch.why)
             self.replaced = True
-            exit_after(stop_bound_s(self.config.shutdown_drain_s), f"worker {self.worker_id}, stuck,")
             stop.set()
 
     async def _watch(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self.observe(time.monotonic(), stop)
+            if self.replaced:
+                # A step stuck in a thread would hold the process's exit for ever (the thread
+                # is joined at exit): past the stop's own bound, it exits all the same.
+                exit_after(stop_bound_s(self.config.shutdown_drain_s), f"worker {self.worker_id}, stopping to be replaced,")
+                return
             await asyncio.sleep(self.config.heartbeat_s)
 
     def _heartbeat(self) -> bytes:

@@ -75,6 +75,10 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step_window_ms: float = 2.0  # pause between a worker's steps: input gathers into bigger batches
     worker_call_buffer_mb: float = 2.0  # input one partition of a call may hold in a worker; past it the rest waits in the stream
     worker_buffer_mb: float = 64.0  # input all of a worker's calls may hold; past it their input waits in the stream
+    # A worker that refuses calls for want of room while nothing moves (no call taken or let
+    # go, no step), or whose step runs, this long is stuck: not ready, no free slots.
+    worker_stuck_s: float = 60.0
+    worker_replace_s: float = 120.0  # stuck this long more, a worker exits for its supervisor to replace it; 0: never
     heartbeat_s: float = 1.0
     liveness_s: float = 5.0  # a worker or frontend silent this long is dead
     placement_timeout_s: float = 10.0  # how long a call waits for a worker when none serves a partition
@@ -104,6 +108,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "max_batch": self.max_batch,
             "worker_call_buffer_mb": self.worker_call_buffer_mb,
             "worker_buffer_mb": self.worker_buffer_mb,
+            "worker_stuck_s": self.worker_stuck_s,
             "heartbeat_s": self.heartbeat_s,
             "liveness_s": self.liveness_s,
             "placement_timeout_s": self.placement_timeout_s,
@@ -123,6 +128,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("retention.hard_max_bytes", f"must be >= retention.max_bytes ({soft}), got {hard}")
         if self.realtime.resume_grace_s < 0:
             raise ConfigError("realtime.resume_grace_s", "must be >= 0")
+        if self.worker_replace_s < 0:
+            raise ConfigError("worker_replace_s", f"must be >= 0, got {self.worker_replace_s}")
         if self.step_window_ms < 0:
             raise ConfigError("step_window_ms", "must be >= 0")
         if self.nats_monitor_port is not None and not 0 < self.nats_monitor_port < 65536:
