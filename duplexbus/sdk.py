@@ -35,7 +35,7 @@ from shared.sdk.realtime import (
     SpeechStarted,
     SpeechStopped,
 )
-from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology, ProducerWalkCtx
 
 __all__ = [  # sorted (ruff); grouped by what they are for in docs/models.md
     "CLIENT",
@@ -60,6 +60,7 @@ __all__ = [  # sorted (ruff); grouped by what they are for in docs/models.md
     "Overloaded",
     "Partition",
     "PartitionTopology",
+    "ProducerWalkCtx",
     "RealtimeMapping",
     "ReplyAudio",
     "ReplyCut",

@@ -31,6 +31,19 @@ in the ring does not matter. The single query is the newest position, so the ste
 causal by construction. `step_unbatched` runs the same frames one call at a time
 (one forward per call, no padding): the baseline of `bench/batching.py`.
 
+Prefill walk (`prefill=True`; off by default). A call's audio often arrives in bulk: a
+one-shot upload, a live call's pre-roll, a replaced worker's catch-up. Decoded one
+position per step, T frames cost T forward passes; `prefill` runs them as one
+full-sequence pass. With `prefill=True` a cheap `Frames` partition takes `audio_in` and
+forwards each frame to `Duplex` on edge `frames`, whose `consumer_walk` (`frames_walk`)
+names Duplex's walk: `prefill` for the frames a call had gathered by its first step, when
+they are more than one, `decode` for every other frame. The engine batches one walk per
+step, so a step of `Duplex` runs one kind of pass (one graph, on a GPU): a prefill step is
+a sequence pass per call, a decode step one batched position per round. A prefill run
+split over two chunks (more than `PREFILL_MAX_FRAMES`, or not all arrived) has its
+later part decoded; under the walk "" (no stream named one) the frames' own backlog mark
+decides, call by call. Prefill and decode give the same tokens (tests/test_tiny_duplex.py).
+
 torch is imported only where the partition needs it: a frontend loads this module for
 the topology and the stream units and never pays for torch.
 """
@@ -48,15 +61,19 @@ import numpy as np
 from duplexbus.sdk import (
     CLIENT,
     CallInfo,
+    CatchUpChunkPolicy,
     ClientStreamLimits,
     Connection,
+    EdgeItem,
     Emission,
     FixedChunkPolicy,
+    Item,
     Model,
     Output,
     Overloaded,
     Partition,
     PartitionTopology,
+    ProducerWalkCtx,
     StepInput,
 )
 
@@ -69,6 +86,11 @@ MAX_ITEMS = 45_000  # one hour of 80 ms frames
 EDGE = "audio_in"
 PARTITION = "Duplex"
 DEVICE_ENV = "DUPLEXBUS_DEVICE"
+# prefill=True: the Frames partition in front of Duplex, and Duplex's walks
+FRAMES_PARTITION = "Frames"
+FRAMES_EDGE = "frames"
+PREFILL, DECODE = "prefill", "decode"
+PREFILL_MAX_FRAMES = 512  # the most frames one chunk (so one prefill pass) takes: 41 s of audio
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,7 @@ class TinyDuplexConfig:
     seed: int = 0
     device: str | None = None  # None: $DUPLEXBUS_DEVICE, else cuda if available, else cpu
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    prefill: bool = False  # a Frames partition in front: a call's opening backlog is prefilled (walk "prefill")
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -312,11 +335,48 @@ class _CallState:
     frames: int = 0  # positions seen so far; the next frame's absolute position
 
 
-class TinyDuplexPartition(Partition):
-    """The one partition: per-call KV slots in a shared pool, one forward pass per step."""
+def frames_walk(ctx: ProducerWalkCtx) -> str:
+    """Duplex's walk for one frame the Frames partition forwards (its backlog mark)."""
+    return PREFILL if ctx.item.meta.get("backlog") else DECODE
 
-    def __init__(self, cfg: TinyDuplexConfig) -> None:
+
+class FramesPartition(Partition):
+    """`prefill=True`'s front: each audio item on to Duplex on `frames`, those of a call's first
+    chunk marked `backlog` when that chunk holds more than one frame (the call had gathered
+    them before it was first stepped). No model work: it steps on the event loop."""
+
+    blocking = False
+
+    def __init__(self) -> None:
+        self._stepped: set[str] = set()  # calls it has had a frame of
+
+    def open_call(self, call: CallInfo) -> None:
+        pass
+
+    def step(self, batch: list[StepInput]) -> list[Emission]:
+        out: list[Emission] = []
+        for s in batch:
+            chunk = s.chunks.get(EDGE)
+            items = chunk.items if chunk is not None else []
+            backlog = s.cid not in self._stepped and len(items) > 1
+            if items:
+                self._stepped.add(s.cid)
+            out.extend(EdgeItem(s.cid, FRAMES_EDGE, Item(i.data, {"backlog": backlog})) for i in items)
+        return out
+
+    def close_call(self, cid: str) -> dict[str, Any]:
+        self._stepped.discard(cid)
+        return {}
+
+
+class TinyDuplexPartition(Partition):
+    """The model's partition: per-call KV slots in a shared pool, one forward pass per step
+    (or, under walk `prefill`, one sequence pass per call). `edge`: its input edge."""
+
+    def __init__(self, cfg: TinyDuplexConfig, edge: str = EDGE) -> None:
         self.cfg = cfg
+        self.edge = edge
+        self.prefilled = 0  # frames run through a prefill pass
         self.device = resolve_device(cfg.device)
         self.net = TinyNet(cfg, self.device)
         self.pool = self.net.new_pool(cfg.max_calls)
@@ -361,8 +421,36 @@ class TinyDuplexPartition(Partition):
     # -- stepping -------------------------------------------------------------------
 
     def step(self, batch: list[StepInput]) -> list[Emission]:
-        """One forward pass for every call in the batch (per item round, see `_run`)."""
-        return self._run(batch, batched=True)
+        """One forward pass for every call in the batch (per item round, see `_run`); the calls
+        `plan` says to prefill get a sequence pass each instead."""
+        prefill, decode = self.plan(batch)
+        out = self._prefill_step(prefill)
+        out += self._run(decode, batched=True)
+        return out
+
+    def plan(self, batch: list[StepInput]) -> tuple[list[StepInput], list[StepInput]]:
+        """(calls to prefill, calls to decode). Prefilled: a fresh call's frames under walk
+        `prefill`, or under the walk "" where its frames are marked `backlog`. Under `decode`
+        or in a one-partition model (no marks) nothing is."""
+        prefill: list[StepInput] = []
+        decode: list[StepInput] = []
+        for s in batch:
+            chunk = s.chunks.get(self.edge)
+            items = chunk.items if chunk is not None else []
+            fresh = bool(items) and self._state(s.cid).frames == 0
+            wanted = s.walk == PREFILL or (s.walk == "" and bool(items) and bool(items[0].meta.get("backlog")))
+            (prefill if fresh and wanted else decode).append(s)
+        return prefill, decode
+
+    def _prefill_step(self, batch: list[StepInput]) -> list[Emission]:
+        out: list[Emission] = []
+        for s in batch:
+            items = s.chunks[self.edge].items
+            frames = np.stack([frame_to_float(i.data, self.cfg.frame) for i in items])
+            tokens, _ = self.prefill(s.cid, frames)
+            self.prefilled += len(tokens)
+            out.extend(Output(s.cid, {"frame": i, "token": t}) for i, t in enumerate(tokens))
+        return out
 
     def step_unbatched(self, batch: list[StepInput]) -> list[Emission]:
         """The same frames and outputs as `step`, one forward pass per call: the baseline."""
@@ -375,7 +463,7 @@ class TinyDuplexPartition(Partition):
             state = self._state(s.cid)
             if s.cid in items:
                 raise ValueError(f"call {s.cid!r} appears twice in one batch")
-            chunk = s.chunks.get(EDGE)
+            chunk = s.chunks.get(self.edge)
             items[s.cid] = [i.data for i in chunk.items] if chunk else []
             states[s.cid] = state
         # FixedChunkPolicy(1) gives one item per call; a chunk of several (another policy,
@@ -454,22 +542,31 @@ class TinyDuplexModel(Model):
     name = "tiny_duplex"
 
     def __init__(self, **kwargs: Any) -> None:
-        """`kwargs` override `TinyDuplexConfig` (device, dtype, max_calls, window, seed, sizes)."""
+        """`kwargs` override `TinyDuplexConfig` (device, dtype, max_calls, window, seed, sizes, prefill)."""
         self.config = TinyDuplexConfig(**kwargs)
+        audio = ClientStreamLimits(max_items=MAX_ITEMS, item_size=self.config.frame, unit="samples", sample_rate=SAMPLE_RATE)
+        if not self.config.prefill:
+            self.topology = PartitionTopology(
+                [PARTITION], [Connection(CLIENT, PARTITION, EDGE, lambda: FixedChunkPolicy(1), audio)]
+            )
+            return
         self.topology = PartitionTopology(
-            partitions=[PARTITION],
-            connections=[
+            [FRAMES_PARTITION, PARTITION],
+            [
+                Connection(CLIENT, FRAMES_PARTITION, EDGE, lambda: CatchUpChunkPolicy(PREFILL_MAX_FRAMES), audio),
                 Connection(
-                    CLIENT,
+                    FRAMES_PARTITION,
                     PARTITION,
-                    EDGE,
-                    lambda: FixedChunkPolicy(1),
-                    ClientStreamLimits(max_items=MAX_ITEMS, item_size=self.config.frame, unit="samples", sample_rate=SAMPLE_RATE),
+                    FRAMES_EDGE,
+                    lambda: CatchUpChunkPolicy(PREFILL_MAX_FRAMES),
+                    consumer_walk=frames_walk,
                 ),
             ],
         )
 
     def create_partition(self, name: str) -> Partition:
+        if self.config.prefill and name == FRAMES_PARTITION:
+            return FramesPartition()
         if name != PARTITION:
-            raise KeyError(f"tiny_duplex has one partition, {PARTITION!r}, not {name!r}")
-        return TinyDuplexPartition(self.config)
+            raise KeyError(f"tiny_duplex has partitions {self.topology.partitions}, not {name!r}")
+        return TinyDuplexPartition(self.config, FRAMES_EDGE if self.config.prefill else EDGE)

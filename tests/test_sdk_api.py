@@ -42,6 +42,7 @@ STABLE = frozenset(
         "Overloaded",
         "Partition",
         "PartitionTopology",
+        "ProducerWalkCtx",
         "RealtimeMapping",
         "ReplyAudio",
         "ReplyCut",
