@@ -35,7 +35,16 @@ from shared.sdk.realtime import (
     SpeechStarted,
     SpeechStopped,
 )
-from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology, ProducerWalkCtx
+from shared.sdk.topology import (
+    CLIENT,
+    ClientStream,
+    ClientStreamLimits,
+    Connection,
+    PartitionTopology,
+    ProducerWalkCtx,
+    client_stream_limits,
+    find_client_streams,
+)
 
 __all__ = [  # sorted (ruff); grouped by what they are for in docs/models.md
     "CLIENT",
@@ -46,6 +55,7 @@ __all__ = [  # sorted (ruff); grouped by what they are for in docs/models.md
     "ChunkPolicy",
     "ClientFile",
     "ClientInput",
+    "ClientStream",
     "ClientStreamLimits",
     "ConfigError",
     "Connection",
@@ -73,8 +83,10 @@ __all__ = [  # sorted (ruff); grouped by what they are for in docs/models.md
     "StepInput",
     "StreamInput",
     "b64_pcm16",
+    "client_stream_limits",
     "decode_audio_file",
     "encode_wav",
+    "find_client_streams",
     "pcm16_from_b64",
     "resample_pcm16",
 ]

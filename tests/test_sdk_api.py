@@ -22,6 +22,9 @@ STABLE = frozenset(
     {
         "BadRequest",
         "CLIENT",
+        "find_client_streams",
+        "client_stream_limits",
+        "ClientStream",
         "CallInfo",
         "CatchUpChunkPolicy",
         "Chunk",
