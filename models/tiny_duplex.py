@@ -570,3 +570,12 @@ class TinyDuplexModel(Model):
         if name != PARTITION:
             raise KeyError(f"tiny_duplex has partitions {self.topology.partitions}, not {name!r}")
         return TinyDuplexPartition(self.config, FRAMES_EDGE if self.config.prefill else EDGE)
+
+
+class TinyDuplexPrefillModel(TinyDuplexModel):
+    """`tiny_duplex` with `prefill=True`, to serve by path: `--model models.tiny_duplex:TinyDuplexPrefillModel`."""
+
+    name = "tiny_duplex_prefill"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"prefill": True, **kwargs})

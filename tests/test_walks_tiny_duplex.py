@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from models.registry import model_class
 from models.tiny_duplex import (
     DECODE,
     EDGE,
@@ -18,6 +19,7 @@ from models.tiny_duplex import (
     PREFILL,
     TinyDuplexModel,
     TinyDuplexPartition,
+    TinyDuplexPrefillModel,
 )
 from services.worker.engine import LocalPipeline
 from shared.sdk.chunking import Chunk, Item
@@ -126,3 +128,7 @@ def test_the_prefill_topology_drives_duplex_from_frames() -> None:
     assert topo.producer_triggered_partitions() == {PARTITION}
     assert topo.walk_drivers()[PARTITION].edge_name == FRAMES_EDGE
     assert TinyDuplexModel(**SMALL).topology.producer_triggered_partitions() == set()
+    # served by path under a name of its own (its topology differs from the default's)
+    served = model_class("models.tiny_duplex:TinyDuplexPrefillModel")
+    assert served is TinyDuplexPrefillModel and served.name == "tiny_duplex_prefill"
+    assert TinyDuplexPrefillModel(**SMALL).topology.partitions == ["Frames", PARTITION]
