@@ -1,4 +1,4 @@
-"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats, health."""
+"""The `duplexbus` command: up, frontend, conductor, worker, call, eval, replay, nats, health, check-model."""
 
 from __future__ import annotations
 
@@ -99,6 +99,12 @@ def worker_partitions(flags: list[str] | None) -> list[str] | None:
         return flags
     named = [p.strip() for p in os.environ.get(PARTITIONS_ENV, "").split(",") if p.strip()]
     return named or None
+
+
+def cmd_check_model(args: argparse.Namespace) -> int:
+    from duplexbus.check_model import run_command
+
+    return run_command(args)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -309,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"partition to run (repeatable; default: ${PARTITIONS_ENV}, comma-separated, else every partition)",
     )
     wo.set_defaults(fn=cmd_worker)
+
+    from duplexbus.check_model import add_arguments as add_check_model
+
+    cm = command("check-model", "run a model's partitions on generated calls in this process, and check the rules it must keep")
+    add_check_model(cm)
+    cm.set_defaults(fn=cmd_check_model)
 
     he = command("health", "container healthcheck: exit 0 when this container's service works")
     he.add_argument("--config", help="serving config YAML (or $DUPLEXBUS_CONFIG): its liveness_s is the default --max-age")

@@ -70,7 +70,7 @@ def test_a_step_that_raises_fails_the_batch_and_drops_each_call_once(caplog: pyt
     assert sorted(errors) == ["a", "b"] and all(err.during == "step" for err in errors.values())
     assert_generic(errors["a"])
     assert logged_secret(caplog) == 1
-    assert part.dropped == {"a": 1, "b": 1} and not part.closed
+    assert part.tally.dropped == {"a": 1, "b": 1} and not part.tally.closed
     assert "a" not in e and "b" not in e and "idle" in e
     assert sorted(part.held) == ["idle"] and len(part.free) == 3
     assert e.stats.model_errors == 1 and e.in_step_since is None
@@ -85,11 +85,11 @@ def test_a_call_failed_while_its_step_raised_is_dropped_once_after_it() -> None:
     batch = e.next_batch(now=5.0)
     assert e.in_step_since == 5.0
     assert [type(a) for a in e.push("a", "nope", 0, Item(None, {}))] == [FailCall]  # no such edge
-    assert part.dropped == {}  # not under the running step
+    assert part.tally.dropped == {}  # not under the running step
     with pytest.raises(RuntimeError):
         part.step(batch)
     assert e.step_failed(batch, RuntimeError(SECRET)) == []  # already failed: no second FailCall
-    assert part.dropped == {"a": 1} and not part.closed
+    assert part.tally.dropped == {"a": 1} and not part.tally.closed
 
 
 def test_a_step_that_returns_what_is_not_an_emission_fails_its_batch() -> None:
@@ -97,7 +97,7 @@ def test_a_step_that_returns_what_is_not_an_emission_fails_its_batch() -> None:
     e.add_call("a")
     feed(e, "a")
     assert list(failed(e.step())) == ["a"]
-    assert part.dropped == {"a": 1} and not part.closed
+    assert part.tally.dropped == {"a": 1} and not part.tally.closed
 
 
 def test_a_lazy_step_that_raises_while_its_emissions_are_read_fails_its_batch() -> None:
@@ -111,7 +111,7 @@ def test_a_lazy_step_that_raises_while_its_emissions_are_read_fails_its_batch() 
         raise RuntimeError(SECRET)
 
     assert list(failed(e.complete(batch, emissions()))) == ["a"]
-    assert part.dropped == {"a": 1}
+    assert part.tally.dropped == {"a": 1}
 
 
 # -- what a step emits --------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_an_emission_on_an_edge_not_the_partitions_fails_that_call_only() -> Non
     outs = [a for a in actions if isinstance(a, PublishOutput)]
     assert [a.cid for a in outs] == ["good"]  # none of the failed call's outputs go out
     assert [a.cid for a in actions if isinstance(a, PublishDone)] == ["good"]
-    assert part.dropped == {"bad": 1} and part.closed == {"good": 1}
+    assert part.tally.dropped == {"bad": 1} and part.tally.closed == {"good": 1}
 
 
 def test_an_emission_for_a_call_the_step_was_not_given_is_dropped_and_fails_nothing(
@@ -154,7 +154,7 @@ def test_an_open_call_that_raises_is_raised_to_the_caller_and_leaves_no_slot() -
     e, part = make("open_call_late")
     with pytest.raises(RuntimeError, match=SECRET):
         e.add_call("a")
-    assert "a" not in e and part.dropped == {"a": 1} and not part.closed
+    assert "a" not in e and part.tally.dropped == {"a": 1} and not part.tally.closed
     assert len(part.free) == 4
 
 
@@ -163,7 +163,7 @@ def test_a_partition_refusing_a_call_is_its_callers_to_report_and_keeps_nothing(
     e.add_call("a")
     with pytest.raises(Overloaded):
         e.add_call("b")
-    assert "b" not in e and part.dropped == {"b": 1} and part.held == {"a": 0}
+    assert "b" not in e and part.tally.dropped == {"b": 1} and part.held == {"a": 0}
 
 
 def test_a_close_call_that_raises_fails_the_call_without_a_drop(caplog: pytest.LogCaptureFixture) -> None:
@@ -176,7 +176,7 @@ def test_a_close_call_that_raises_fails_the_call_without_a_drop(caplog: pytest.L
     assert list(errors) == ["a"] and errors["a"].during == "close_call"
     assert_generic(errors["a"])
     assert not [a for a in actions if isinstance(a, PublishDone)]  # no done: the call failed
-    assert part.closed == {"a": 1} and not part.dropped  # close_call had its one try
+    assert part.tally.closed == {"a": 1} and not part.tally.dropped  # close_call had its one try
     assert "a" not in e and logged_secret(caplog) == 1
 
 
@@ -186,9 +186,9 @@ def test_a_drop_call_that_raises_is_logged_and_the_abort_goes_on(caplog: pytest.
     e.add_call("b")
     with caplog.at_level(logging.ERROR, logger="services.worker.engine"):
         e.drop_call("a")
-    assert "a" not in e and part.dropped == {"a": 1} and logged_secret(caplog) == 1
+    assert "a" not in e and part.tally.dropped == {"a": 1} and logged_secret(caplog) == 1
     e.drop_call("a")  # a repeated abort: nothing more
-    assert part.dropped == {"a": 1}
+    assert part.tally.dropped == {"a": 1}
     assert "b" in e
 
 
@@ -202,7 +202,7 @@ def test_a_wants_step_that_raises_fails_the_call_at_its_next_step(caplog: pytest
         actions = e.step()
         assert e.has_work() is False  # asked again: not raised, not logged again
     assert list(failed(actions)) == ["a"] and failed(actions)["a"].during == "wants_step"
-    assert part.dropped == {"a": 1} and part.closed == {"b": 1}
+    assert part.tally.dropped == {"a": 1} and part.tally.closed == {"b": 1}
     assert logged_secret(caplog) == 1
 
 
@@ -212,7 +212,7 @@ def test_a_paced_call_whose_wants_step_raises_is_stepped_and_failed() -> None:
     e.add_call("a", {"fail": True})
     assert e.has_work()  # the question raised: the call is due a step, where it fails
     assert list(failed(e.step())) == ["a"]
-    assert part.dropped == {"a": 1} and len(e) == 0
+    assert part.tally.dropped == {"a": 1} and len(e) == 0
 
 
 # -- a fixed pool of slots ------------------------------------------------------------------
@@ -232,7 +232,7 @@ def test_a_partition_with_few_slots_still_takes_calls_after_many_failures(fault:
         while e.has_work():
             actions += e.step()
         assert list(failed(actions)) == [cid]
-        assert part.closed[cid] + part.dropped[cid] == 1  # one of the two, once
+        assert part.tally.closed[cid] + part.tally.dropped[cid] == 1  # one of the two, once
     assert len(part.free) == 4 and part.held == {} and len(e) == 0
     e.add_call("good")
     feed(e, "good", 3)
@@ -249,9 +249,9 @@ def test_an_abort_during_a_step_drops_the_call_after_the_step_once() -> None:
     feed(e, "a", end=False)
     batch = e.next_batch()
     e.drop_call("a")  # its abort, while the step runs
-    assert part.dropped == {}
+    assert part.tally.dropped == {}
     e.complete(batch, part.step(batch))
-    assert part.dropped == {"a": 1} and not part.closed
+    assert part.tally.dropped == {"a": 1} and not part.tally.closed
 
 
 def test_the_partition_counts_opens_and_ends() -> None:

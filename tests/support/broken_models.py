@@ -4,19 +4,33 @@ finds (tests/test_check_model.py). The models load by path: `tests.support.broke
 
 `SlotPartition` holds a fixed pool of per-call slots, as tiny_duplex's KV cache pool does:
 open_call takes one (refusing with Overloaded when none is free), close_call and drop_call
-give it back. It counts every close_call and drop_call by cid, and raises (or misbehaves)
+give it back. It counts every close_call and drop_call by cid (in its `tally`, which a
+served partition would not keep: it grows with every call), and raises (or misbehaves)
 where its `fault` says.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from shared.runtime.errors import Overloaded
-from shared.sdk.chunking import FixedChunkPolicy, Item
-from shared.sdk.model import CallInfo, EdgeItem, Emission, Model, Output, Partition, StepInput
-from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from duplexbus.sdk import (
+    CLIENT,
+    CallInfo,
+    ClientStreamLimits,
+    Connection,
+    EdgeItem,
+    Emission,
+    FixedChunkPolicy,
+    Item,
+    Model,
+    Output,
+    Overloaded,
+    Partition,
+    PartitionTopology,
+    StepInput,
+)
 
 SECRET = "secret model detail at 0x7f3a"  # the text of every exception raised here: never for a client
 
@@ -36,6 +50,15 @@ FAULTS = (
 )
 
 
+@dataclass
+class Tally:
+    """What a test reads of a SlotPartition's lifecycle."""
+
+    seen: list[str] = field(default_factory=list)  # every call opened, in order
+    closed: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
+
+
 class SlotPartition(Partition):
     """One output per item it is given; `fault` (one of FAULTS) only for the calls whose
     model_kwargs carry {"fail": true} when `only_asked`, else for every call."""
@@ -50,9 +73,7 @@ class SlotPartition(Partition):
         self.free = list(range(slots))
         self.held: dict[str, int] = {}  # cid -> its slot
         self.asked: set[str] = set()  # calls that asked to fail
-        self.seen: list[str] = []  # every call opened, in order
-        self.closed: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()
+        self.tally = Tally()
 
     def _faulty(self, kind: str, cids: list[str]) -> bool:
         return self.fault == kind and (not self.only_asked or any(c in self.asked for c in cids))
@@ -68,7 +89,7 @@ class SlotPartition(Partition):
         if not self.free:
             raise Overloaded(f"all {self.slots} slots in use")
         self.held[call.cid] = self.free.pop()
-        self.seen.append(call.cid)
+        self.tally.seen.append(call.cid)
         if self._faulty("open_call_late", [call.cid]):
             raise RuntimeError(SECRET)
 
@@ -83,7 +104,7 @@ class SlotPartition(Partition):
             if self._faulty("edge", [s.cid]):
                 out.append(EdgeItem(s.cid, "no_such_edge", Item(None, {})))
         if self._faulty("stray", cids):
-            others = [c for c in self.seen if c not in cids]
+            others = [c for c in self.tally.seen if c not in cids]
             out.append(Output(others[0] if others else "not-a-call", {"stray": True}))
         if self._faulty("not_emission", cids):
             out.append({"cid": cids[0]})  # type: ignore[arg-type]  # the fault itself
@@ -101,7 +122,7 @@ class SlotPartition(Partition):
         self.asked.discard(cid)
 
     def close_call(self, cid: str) -> dict[str, Any]:
-        self.closed[cid] += 1
+        self.tally.closed[cid] += 1
         faulty = self._faulty("close_call", [cid])
         if not self._faulty("leak", [cid]):
             self._give_back(cid)
@@ -110,7 +131,7 @@ class SlotPartition(Partition):
         return {"closed": 1}
 
     def drop_call(self, cid: str) -> None:
-        self.dropped[cid] += 1
+        self.tally.dropped[cid] += 1
         faulty = self._faulty("drop_call", [cid])
         self._give_back(cid)
         if faulty:
