@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from services.worker.engine import Action, Engine, FailCall, PublishDone, PublishOutput
@@ -14,7 +15,10 @@ from shared.runtime.errors import ModelFailed, Overloaded
 from shared.sdk.chunking import FixedChunkPolicy, Item
 from shared.sdk.model import CallInfo, Emission
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from tests.support.audio import pcm_file
 from tests.support.broken_models import SECRET, SlotPartition
+from tests.support.client import WS
+from tests.support.stack import running_stack
 
 TOPO = PartitionTopology(
     ["P", "Q"],
@@ -272,3 +276,26 @@ def test_a_slot_partition_refuses_past_its_slots() -> None:
     part.open_call(CallInfo("a"))
     with pytest.raises(Overloaded):
         part.open_call(CallInfo("b"))
+
+
+# -- through a real stack ---------------------------------------------------------------------
+async def test_a_served_model_whose_step_raises_fails_those_calls_generically_and_serves_the_next(nats_url: str) -> None:
+    """A worker serving a model loaded by path, with 8 slots, whose step raises for the calls
+    that ask it to: nine such calls one after the other each get a 500 naming the partition
+    only, and the same worker then serves a call to its end (before, the nine had taken
+    every slot for good, and the last call was refused)."""
+    samples = np.zeros(640, dtype=np.int16)  # two items of the model's 320 samples
+    async with running_stack(nats_url, {"model": "tests.support.broken_models:StepRaisesWhenAsked"}) as stack:
+        ws = await WS.connect(stack.ws_url())
+        try:
+            for rid, kwargs in [*((f"bad{i}", {"fail": True}) for i in range(9)), ("good", {})]:
+                await ws.send({"request_id": rid, "model_kwargs": kwargs, "files": [pcm_file(samples)], "end_input": True})
+                final = await ws.final(rid, timeout=30)
+                if rid != "good":
+                    assert (final.get("status"), final.get("error")) == (500, "partition P failed"), final
+                else:
+                    assert "finish" in final and len(ws.outputs(rid)) == 2, (final, stack.logs())
+        finally:
+            await ws.close()
+        log = stack.procs["worker-0"].log.read_text()
+        assert SECRET in log and "Traceback" in log  # the model's exception is in the worker's log
