@@ -10,6 +10,8 @@ framing (services/frontend/calls.py `CallInput`), as it would when served. No NA
 It checks the rules a served model must keep (each broken one is a line, and the exit
 status is 1):
 
+- every partition is reached by the client's streams (the rest of the topology is checked
+  as it is built);
 - every call finishes (a done from each partition) unless the check aborted it, within
   `max_steps` steps after its input ended and within `timeout_s`; none fails in the model;
 - per call and partition, the outputs' seqs are 0, 1, 2, ... each once, as many as the
@@ -45,6 +47,7 @@ from shared.runtime.errors import BadRequest, ConfigError, DuplexError
 from shared.sdk.audio import encode_wav
 from shared.sdk.chunking import Item
 from shared.sdk.model import CallInfo, ClientFile, ClientInput, Emission, Model, Partition, StepInput
+from shared.sdk.topology import PartitionTopology
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +382,7 @@ class Check:
     def _report(self) -> Report:
         rig = self.rig
         cids = [f"check-{i:04d}" for i in range(self.opts.calls)]
-        v = self.violations
+        v = topology_violations(self.model.topology) + self.violations
         v += failure_violations(rig.record.failures)
         v += order_violations(rig.record, list(rig.engines))
         v += lifecycle_violations(rig.parts, rig.record.finished)
@@ -410,6 +413,20 @@ def grouped(violations: list[str]) -> list[str]:
             shown = ", ".join(cids[:3]) + (f" and {len(cids) - 3} more" if len(cids) > 3 else "")
             out.append(f"{len(cids)} calls ({shown}): " + text.replace("call {call}", "the call"))
     return out
+
+
+def topology_violations(topo: PartitionTopology) -> list[str]:
+    """What PartitionTopology does not refuse as it is built, and no call could get through:
+    no client stream, or a partition no path of edges from the client reaches."""
+    if not topo.client_edges():
+        return ["the model has no client stream: no call can send it anything"]
+    reached = {c.to_partition for c in topo.client_edges().values()}
+    grew = True
+    while grew:
+        more = {c.to_partition for c in topo.connections if c.from_partition in reached} - reached
+        reached |= more
+        grew = bool(more)
+    return [f"partition {p} is reached by no edge from the client's streams" for p in topo.partitions if p not in reached]
 
 
 def failure_violations(failures: Mapping[str, list[str]]) -> list[str]:

@@ -17,11 +17,14 @@ from duplexbus.check_model import (
     leftover_violations,
     lifecycle_violations,
     order_violations,
+    topology_violations,
 )
 from duplexbus.cli import main
 from models.registry import served_model
 from models.tiny_duplex import TinyDuplexPartition
+from shared.sdk.chunking import FixedChunkPolicy
 from shared.sdk.model import CallInfo
+from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 from tests.support.broken_models import SlotPartition
 
 BROKEN = "tests.support.broken_models"
@@ -145,6 +148,30 @@ def test_a_call_left_in_an_engine_is_a_violation() -> None:
         "P: 1 ended calls still in its attribute 'held' (state not let go)",
         "P: took 7 new calls of its capacity() 8, then refused: Overloaded: all 8 slots in use (state not let go)",
     ]
+
+
+def test_a_partition_the_client_never_reaches_is_a_violation() -> None:
+    """PartitionTopology takes it (each edge is valid); no call would ever reach B or C."""
+    policy = FixedChunkPolicy
+    topo = PartitionTopology(
+        ["A", "B", "C"],
+        [Connection(CLIENT, "A", "in", policy, ClientStreamLimits(item_size=4)), Connection("B", "C", "b_c", policy)],
+    )
+    assert topology_violations(topo) == [
+        "partition B is reached by no edge from the client's streams",
+        "partition C is reached by no edge from the client's streams",
+    ]
+    assert topology_violations(PartitionTopology(["A"], [])) == ["the model has no client stream: no call can send it anything"]
+    assert topology_violations(TOPO_OK) == []
+
+
+TOPO_OK = PartitionTopology(
+    ["A", "B"],
+    [
+        Connection(CLIENT, "A", "in", FixedChunkPolicy, ClientStreamLimits(item_size=4)),
+        Connection("A", "B", "a_b", FixedChunkPolicy),
+    ],
+)
 
 
 def test_violations_of_many_calls_are_one_line() -> None:
