@@ -304,7 +304,7 @@ class Check:
             self._bound_steps()
             self._forget_ended()
         for cid in sorted(self.open):
-            self.violations.append(f"call {cid} was not over within timeout_s ({self.opts.timeout_s:g} s)")
+            self.violations.append(f"call {cid} was not over within the check's --timeout ({self.opts.timeout_s:g} s)")
             self.rig.abort(cid)
         return self._report()
 
