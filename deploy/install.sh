@@ -1,7 +1,8 @@
 #!/bin/sh
 # Installs duplexbus into the image's virtualenv, in two steps so the heavy one is a layer
 # of its own that survives source changes:
-#   install.sh deps cpu|cuda   the dependencies (pyproject.toml and constraints.txt alone are in /src)
+#   install.sh deps cpu|cuda   the dependencies (requirements.txt, read out of pyproject.toml, and
+#                              constraints.txt alone are in /src)
 #   install.sh app             the project itself, nothing more
 # With wheels in /wheelhouse (built on the host: scripts/docker.sh wheelhouse, or brought
 # in by hand on an air-gapped machine) nothing is downloaded; without, they come from PyPI.
@@ -21,12 +22,12 @@ case "$1" in
       pip install "torch==2.13.0" --index-url "${TORCH_CPU_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
     fi
     # The versions `make` installs and the tests ran with (constraints.txt).
+    # setuptools: what `install.sh app` builds the project with, offline too.
     if offline; then
-      pip install --no-index --find-links /wheelhouse -c /src/constraints.txt setuptools "/src[models]"
+      pip install --no-index --find-links /wheelhouse -c /src/constraints.txt setuptools -r /src/requirements.txt
     else
-      pip install -c /src/constraints.txt setuptools "/src[models]"
+      pip install -c /src/constraints.txt setuptools -r /src/requirements.txt
     fi
-    pip uninstall -y duplexbus  # the empty build above: only its dependencies were wanted
     ;;
   app)
     pip install --no-deps --no-index --no-build-isolation /src
