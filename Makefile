@@ -9,9 +9,15 @@ ARGS ?=
 
 .PHONY: up test test-fast lint typecheck bench clean system-deps constraints
 
+# The installs go through uv (a pinned wheel from PyPI, into the venv): the same packages as
+# pip, from the same constraints, in about 17 s where pip took 100 s in a fresh clone. pip's
+# find-links (a machine's own wheels: torch's CPU build here, PIP_FIND_LINKS) are uv's too.
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt $(foreach f,$(PIP_FIND_LINKS),--find-links $(f))
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q uv==$(UV_VERSION)
 
 # Reinstall only when the dependencies change (a second `make up` starts in seconds). Every
 # version comes from constraints.txt: two installs made months apart get the same packages.
@@ -20,10 +26,8 @@ $(PY):
 # constraints.txt's version (a venv of Python 3.12 or later has none of its own), not in an
 # isolated build environment that would fetch one.
 $(STAMP): pyproject.toml constraints.txt examples/reverse_model/pyproject.toml | $(PY)
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[models,dev,eval]'
-	$(PY) -m pip install -q -c constraints.txt setuptools
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e examples/reverse_model
+	$(UV) torch==2.13.0 -e '.[models,dev,eval]' setuptools
+	$(UV) --no-deps --no-build-isolation -e examples/reverse_model
 	touch $(STAMP)
 
 # constraints.txt again from what .venv holds now (after an upgrade there passed the tests).
