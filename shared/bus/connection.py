@@ -40,11 +40,13 @@ from shared.bus import subjects
 from shared.bus.confirmed import Confirmer
 from shared.bus.failures import Denials, mapped
 from shared.bus.history import Stored, read_history
-from shared.bus.internals import subscribe_direct
+from shared.bus.internals import GuardedClient, reading, subscribe_direct
 from shared.bus.kv import Bucket
+from shared.bus.link import Link, LinkSample, LinkWatch
 from shared.bus.payloads import Payloads
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import BusDenied, BusError, BusNotFound, BusRefused, BusTimeout, BusUnavailable, DuplexError
+from shared.runtime.errors import BusDenied, BusError, BusLost, BusNotFound, BusRefused, BusTimeout, BusUnavailable, DuplexError
+from shared.runtime.process import cancel_and_wait
 from shared.runtime.retry import Backoff, Outage, retrying
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,12 @@ def redacted(urls: str | None) -> str:
 
 
 CLOSE_FAILED_S = 2.0
+# nats-py PINGs the server every PING_INTERVAL_S and reconnects once more than
+# MAX_OUTSTANDING_PINGS are unanswered: a server that stopped answering (frozen, or a node
+# cut off) is left within 4 to 5 s. nats-py's defaults (120 s, 2) took 4 to 6 minutes.
+PING_INTERVAL_S = 1
+MAX_OUTSTANDING_PINGS = 4
+LINK_WATCH_S = 0.5  # how often the link is looked at (link.py): a dead read loop is found this soon
 SET_UP_PAUSE_S = 0.5  # as often as a JetStream leader election is worth asking about
 
 
@@ -158,6 +166,8 @@ def _connect_options(config: ServingConfig, name: str) -> dict[str, Any]:
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
         "pending_size": 64 * 1024 * 1024,
+        "ping_interval": PING_INTERVAL_S,
+        "max_outstanding_pings": MAX_OUTSTANDING_PINGS,
     }
     if config.nats_creds:
         opts["user_credentials"] = config.nats_creds
@@ -224,6 +234,10 @@ class BusConnection:
         self.payloads = Payloads(self._js, config, int(nc.max_payload))
         self.kv: dict[str, Bucket] = {}
         self.confirmer: Confirmer | None = None  # publishes the stream confirms (confirmed.py)
+        self.link = LinkWatch()
+        self._closing = False
+        self._link_task: asyncio.Task[None] | None = None
+        self._deaf_at: float | None = None  # when it was last found deaf, until it reads again
 
     @classmethod
     async def open(
@@ -260,7 +274,7 @@ class BusConnection:
         if reconnected is not None:
             opts["reconnected_cb"] = reconnected
         doing = f"connecting to {redacted(config.nats_url)}"
-        nc = Client()
+        nc = GuardedClient()
         try:
             with mapped(doing, denials):
                 if connect_timeout is None:
@@ -277,6 +291,7 @@ class BusConnection:
                 raise BusUnavailable(doing, f"{e.strerror or e}") from e
             raise
         conn = cls(nc, config, denials)
+        conn._link_task = asyncio.get_running_loop().create_task(conn._watch_link())
         try:
             await conn._set_up(stream, buckets, connect_timeout)
             if stream and config.confirms_publishes:
@@ -362,13 +377,58 @@ class BusConnection:
     # -- publishing ------------------------------------------------------------
     @property
     def is_connected(self) -> bool:
-        return bool(self._nc.is_connected)
+        """Connected and reading: a client whose read loop has ended says it is connected, and
+        hears nothing (link.py)."""
+        return bool(self._nc.is_connected) and reading(self._nc)
+
+    @property
+    def lost(self) -> bool:
+        """The connection cannot mend itself (link.py): the process is to be replaced."""
+        return self.link.lost
 
     async def round_trip(self, timeout: float) -> None:
         """A PING the server answers within `timeout` (whole seconds, at least 1): it works now.
-        (No denial memory: a PING needs no permission, so its timeout is only ever a timeout.)"""
+        (No denial memory: a PING needs no permission, so its timeout is only ever a timeout.)
+
+        Not on a connection whose read loop has ended: nats-py's flush then returns at once
+        without a round trip, which would be a false all-clear."""
+        if self.link.lost:
+            raise BusLost("a round trip to NATS", self.link.why)
+        if not self.is_connected:
+            raise BusUnavailable("a round trip to NATS", f"the connection is {self.link.state.value}, not reading")
         with mapped("a round trip to NATS"):
             await self._nc.flush(timeout=max(1, math.ceil(timeout)))
+
+    async def _watch_link(self) -> None:
+        """Until the close: a read loop that ended while nats-py says it is connected gets a
+        reconnect forced (link.py); the link's changes are logged."""
+        while not self._closing:
+            try:
+                await self._look_at_link()
+            except Exception:  # a bug here must not end the watch: the next look may work
+                log.exception("watching the NATS connection failed")
+            await asyncio.sleep(LINK_WATCH_S)
+
+    async def _look_at_link(self) -> None:
+        before = self.link.state
+        sample = LinkSample(bool(self._nc.is_connected), reading(self._nc), bool(self._nc.is_closed))
+        force = self.link.observe(sample, asyncio.get_running_loop().time())
+        if self.link.state is not before:
+            self._link_changed(before)
+        if force:
+            await self._nc.force_reconnect()
+
+    def _link_changed(self, before: Link) -> None:
+        state = self.link.state
+        if state is Link.DEAF:
+            self._deaf_at = asyncio.get_running_loop().time()
+            log.warning("NATS: connected but the read loop has ended (deaf): reconnecting")
+        elif state is Link.LOST:
+            log.error("NATS: %s; this process cannot mend it (its /livez fails)", self.link.why)
+        elif state is Link.UP and self._deaf_at is not None:
+            took = asyncio.get_running_loop().time() - self._deaf_at
+            log.warning("NATS: the deaf connection reads again, %.1f s after it was found deaf", took)
+            self._deaf_at = None
 
     async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """A core publish (the stream stores it all the same, with no round trip). Where the
@@ -583,6 +643,9 @@ class BusConnection:
     async def close(self, timeout: float = 2.0) -> None:
         """Flush what is written, then close. (nats-py's drain waits up to 30 s on the KV
         watchers' consumers; nothing here needs drain: unacked work is redelivered.)"""
+        self._closing = True  # a close of ours is no lost link
+        if self._link_task is not None:
+            await cancel_and_wait(self._link_task)
         if self.confirmer is not None:
             await self.confirmer.close(timeout)
         try:

@@ -8,6 +8,13 @@ private attributes of `nats.aio.subscription.Subscription` (`_pending_queue`,
 `_wait_for_msgs_task`, `_pending_size`); `missing_internals()` names any a nats-py upgrade
 moved, and tests/test_bus_direct.py fails loudly on it. Where they are missing at run time
 the subscription falls back to an ordinary callback, and says so once in the log.
+
+`GuardedClient` is nats-py's client with one method mended: a PONG that comes after its
+flush timed out killed the read loop (docs/reliability.md, *A NATS pause*), leaving the
+connection deaf for minutes. `reading()` tells whether a client's read loop still runs
+(shared/bus/link.py watches it). Both rely on private attributes of
+`nats.aio.client.Client` (`_pongs`, `_pings_outstanding`, `_reading_task`);
+`missing_client_internals()` names any an upgrade moved (tests/test_nats_py_pong.py).
 """
 
 from __future__ import annotations
@@ -23,7 +30,44 @@ from nats.aio.subscription import Subscription
 log = logging.getLogger(__name__)
 
 PRIVATE = ("_pending_queue", "_wait_for_msgs_task", "_pending_size")
+CLIENT_PRIVATE = ("_pongs", "_pings_outstanding", "_reading_task")
 _warned = False
+
+
+class GuardedClient(Client):
+    """nats-py's client, whose read loop survives a PONG that nobody waits for any more.
+
+    `flush(timeout)` queues a future for its PING's PONG and, on a timeout, cancels it but
+    leaves it queued. The late PONG then pops it and sets its result: InvalidStateError,
+    which ends the read loop (nats-py 2.16.0, `Client._process_pong`). Here that PONG is
+    taken as the cancelled ping's own answer and dropped; a later one answers the next ping,
+    as the server answers pings in order. (The patch proposed upstream does the same.)"""
+
+    async def _process_pong(self) -> None:
+        pongs = getattr(self, "_pongs", None)
+        if pongs and pongs[0].done():
+            pongs.pop(0)
+            self._pings_outstanding = 0  # the server answers: not stale
+            return
+        await super()._process_pong()
+
+
+def missing_client_internals(nc: Client) -> list[str]:
+    """The private attributes of the client that GuardedClient and `reading` rely on and
+    `nc` lacks (or whose kind changed)."""
+    missing = [a for a in CLIENT_PRIVATE if not hasattr(nc, a)]
+    if "_pongs" not in missing and not isinstance(nc._pongs, list):
+        missing.append("_pongs (no longer a list)")
+    return missing
+
+
+def reading(nc: Client) -> bool:
+    """Whether the client's read loop runs (true too where nats-py's internals moved: then
+    it cannot be told, and the stale-connection check is what is left)."""
+    task = getattr(nc, "_reading_task", None)
+    if not isinstance(task, asyncio.Task):
+        return True
+    return not task.done()
 
 
 class _Direct:

@@ -1,4 +1,5 @@
-"""Is a process ready to serve: connected to NATS, the stream there, a conductor alive.
+"""Is a process ready to serve: connected to NATS, the stream there, a conductor alive. And
+is it live: its connection not lost for good (`live`, for /livez).
 
 Checked in the background (`run`), so a probe (`/readyz`) reads the last answers and never
 waits on the bus itself.
@@ -27,6 +28,11 @@ class Readiness:
 
     def __call__(self) -> dict[str, bool]:
         return dict(self.checks)
+
+    def live(self) -> dict[str, bool]:
+        """/livez's checks: the bus connection is not lost for good (link.py). Before there is
+        one, the connect itself is what is under way, and it retries."""
+        return {"bus": self.conn is None or not self.conn.lost}
 
     @property
     def ready(self) -> bool:

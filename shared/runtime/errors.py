@@ -114,6 +114,13 @@ class BusUnavailable(BusError):
     """Not connected, the connection closed, or no one answers on that subject."""
 
 
+class BusLost(BusUnavailable):
+    """The connection cannot mend itself (deaf past a bound, or closed for good: see
+    shared/bus/link.py): only a new process gets a new one."""
+
+    recoverable = False
+
+
 class BusNotFound(BusError):
     """The stream, consumer, bucket or key asked for does not exist."""
 

@@ -1,7 +1,9 @@
 """`/livez`, `/readyz` and `/metrics` for the services that have no HTTP server of their own
 (workers, the conductor): a small HTTP/1.1 server on asyncio, GET only.
 
-- `/livez`: 200 while the process's event loop runs (it answers, so it lives).
+- `/livez`: 200 while the process's event loop runs (it answers, so it lives) and can mend
+  what fails by itself; 503 once it cannot (its bus connection lost for good: the liveness
+  checks, shared/bus/link.py), so that its supervisor replaces it.
 - `/readyz`: 200 when every readiness check passes, else 503; the body names each check.
 - `/metrics`: the process's Prometheus metrics.
 """
@@ -19,7 +21,8 @@ from shared.runtime.metrics import CONTENT_TYPE, Metrics
 log = logging.getLogger(__name__)
 
 Checks = Callable[[], Mapping[str, bool]]
-"""Readiness: name -> passing (connected to NATS, stream present, a conductor alive, ...)."""
+"""Readiness: name -> passing (connected to NATS, stream present, a conductor alive, ...);
+liveness: name -> passing (the bus connection not lost, ...)."""
 
 MAX_REQUEST_BYTES = 8192  # a request line and headers; anything longer is not a probe
 REQUEST_TIMEOUT_S = 5.0
@@ -32,11 +35,26 @@ def readiness(checks: Mapping[str, bool]) -> tuple[int, bytes]:
     return (200 if ok else 503), body
 
 
+def liveness(checks: Mapping[str, bool]) -> tuple[int, bytes]:
+    """(status, JSON body) of a liveness answer: 503 once a check fails (the process cannot
+    mend it by itself)."""
+    ok = all(checks.values())
+    body = json.dumps({"live": ok, "checks": dict(checks)}).encode()
+    return (200 if ok else 503), body
+
+
+def _no_checks() -> Mapping[str, bool]:
+    return {}
+
+
 class HealthServer:
     """Serves the three paths on `host:port` until `close()`."""
 
-    def __init__(self, metrics: Metrics, checks: Checks, host: str = "0.0.0.0", port: int = 0) -> None:
-        self.metrics, self.checks = metrics, checks
+    def __init__(
+        self, metrics: Metrics | None, checks: Checks, host: str = "0.0.0.0", port: int = 0, live: Checks = _no_checks
+    ) -> None:
+        """`metrics` None: no /metrics here (a frontend's are on its serving port, behind its token)."""
+        self.metrics, self.checks, self.live = metrics, checks, live
         self.host, self.port = host, port
         self._server: asyncio.Server | None = None
 
@@ -48,7 +66,8 @@ class HealthServer:
             log.error("no /livez, /readyz or /metrics: cannot listen on %s:%d: %s", self.host, self.port, e)
             return
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("health and metrics on http://%s:%d (/livez, /readyz, /metrics)", self.host, self.port)
+        paths = "/livez, /readyz" + (", /metrics" if self.metrics is not None else "")
+        log.info("health on http://%s:%d (%s)", self.host, self.port, paths)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -60,11 +79,12 @@ class HealthServer:
         """(status, content type, body) for a GET of `path` (pure: tested without sockets)."""
         path = path.split("?", 1)[0]
         if path == "/livez":
-            return 200, "application/json", b'{"live": true}'
+            status, body = liveness(self.live())
+            return status, "application/json", body
         if path == "/readyz":
             status, body = readiness(self.checks())
             return status, "application/json", body
-        if path == "/metrics":
+        if path == "/metrics" and self.metrics is not None:
             return 200, CONTENT_TYPE, self.metrics.render()
         return 404, "application/json", b'{"error": "not found: /livez, /readyz, /metrics"}'
 
