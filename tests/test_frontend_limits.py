@@ -185,7 +185,7 @@ async def test_an_unfinished_message_closes_its_socket_after_message_timeout_s(s
         frame = ws.frame_bytes(b"x" * 1_000_000)
         await ws.write(frame[: len(frame) // 3])
     reader, writer = await asyncio.open_connection("127.0.0.1", stack.ports[0])
-    writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n" + b"{" * 10_000)
+    writer.write(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000\r\n\r\n" + b"{" * 10_000)
 
     async def post_answer() -> bytes:
         return (await asyncio.wait_for(reader.read(), 10)).split(b"\r\n", 1)[0]

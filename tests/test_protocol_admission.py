@@ -23,7 +23,9 @@ from tests.support.bus import call_records
 from tests.support.client import WS, nothing_for
 from tests.support.stack import Stack, running_stack
 
-CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2}
+# One socket here holds every slot and the queue: its share (max_calls_per_socket, a quarter
+# of the slots by default) is raised to let it.
+CONFIG = {"model": "echo", "max_concurrent_requests": 2, "max_queued_requests": 2, "max_calls_per_socket": 8}
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 `create_app` wires the endpoints (`Endpoints`, one object that owns the service) to routes.
 A route added later (another protocol on the same calls) is one more method there and one
 more line in `routes()`. Every endpoint that starts work first runs the app's `checks`
-(`Check`): whatever they refuse is answered before anything is read or opened.
+(`Check`): whatever they refuse is answered before anything is read or opened. Before any
+route, `HostCheck` refuses a Host the frontend does not answer (`hosts.py`: DNS rebinding).
 """
 
 from __future__ import annotations
@@ -17,23 +18,36 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.frontend.auth import Access, Grant
+from services.frontend.hosts import HostRule
 from services.frontend.limits import Guard, Limits, Load, Shed
 from services.frontend.outbox import Outbox, Outlet, to_json
 from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.realtime.endpoint import RealtimeHub
 from services.frontend.relayed_call import RelayedCall
 from services.frontend.service import FrontendService
+from services.frontend.shares import Share, Shares, open_shared
 from services.frontend.socket_session import SocketSession, error_body
 from services.frontend.websocket import DRAIN, GUARD, OUTLET
 from shared.runtime.config import ServingConfig
-from shared.runtime.errors import CallTimeout, DuplexError, LimitExceeded, Overloaded, ProtocolError
-from shared.runtime.health import readiness
+from shared.runtime.errors import (
+    BodyTooLarge,
+    CallTimeout,
+    DuplexError,
+    LimitExceeded,
+    Overloaded,
+    ProtocolError,
+    TooManyCalls,
+    Unauthorized,
+)
+from shared.runtime.health import liveness, readiness
 from shared.runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from shared.runtime.process import TimeSlice, cancel_and_wait
 
@@ -65,10 +79,13 @@ class OneShot:
     within `message_timeout_s`.
     """
 
-    def __init__(self, service: FrontendService, request: Request, guard: Guard | None = None) -> None:
+    def __init__(
+        self, service: FrontendService, request: Request, guard: Guard | None = None, share: Share | None = None
+    ) -> None:
         self.service = service
         self.request = request
         self.guard = guard
+        self.share = share  # its token's (shares.py)
         self.request_id: str | None = None
         self.call: RelayedCall | None = None
         self.outbox = Outbox(pause_at=service.config.max_send_buffer_bytes, on_overflow=self._overflowed)
@@ -105,7 +122,7 @@ class OneShot:
             return error_response(msg.request_id, err)
         self.request_id = msg.request_id
         try:
-            self.call = await self.service.open_call(msg, self.outbox, on_end=lambda _: self.outbox.close())
+            self.call = await open_shared(self.share, self.service.open_call, msg, self.outbox, lambda _: self.outbox.close())
         except DuplexError as e:
             return error_response(msg.request_id, e)
         # Watched from now: a client that leaves before the response starts ends its call too.
@@ -194,6 +211,7 @@ class Endpoints:
         self.access = Access(auth.tokens, auth.allowed_origins)
         self.checks = [self._stopping, self._access, *checks]
         self.guard = Guard(Limits.from_config(service.config))
+        self.shares = Shares.from_config(service.config, self._refused_share)
         self.hub = RealtimeHub(service)
 
     def routes(self) -> list[BaseRoute]:
@@ -218,8 +236,16 @@ class Endpoints:
         verdict = self.access.check(conn.headers, conn.url.scheme, offered)
         if isinstance(verdict, Grant):
             conn.state.subprotocol = verdict.subprotocol
+            conn.state.client = verdict.client
             return None
         return verdict
+
+    def _share(self, conn: HTTPConnection, socket: bool) -> Share:
+        """The connection's share of calls (`shares.py`), once `_access` let it in."""
+        return self.shares.client(getattr(conn.state, "client", None), socket)
+
+    def _refused_share(self, err: TooManyCalls) -> None:
+        self.service.metrics.refusals.labels(str(err.status)).inc()
 
     async def _stopping(self, conn: HTTPConnection) -> DuplexError | None:
         """A stopping frontend takes no new call, and says so before the handshake or the
@@ -238,7 +264,9 @@ class Endpoints:
         err = await self.refused(request)
         if err is not None:
             return error_response(None, err)
-        return await OneShot(self.service, request, self.guard).respond()
+        if (err := announced_too_large(request, self.service.config.max_message_bytes)) is not None:
+            return error_response(None, err, close=True)  # its body unread: the connection cannot go on
+        return await OneShot(self.service, request, self.guard, self._share(request, socket=False)).respond()
 
     async def generate_ws(self, ws: WebSocket) -> None:
         if (err := await self.refused(ws)) is not None:
@@ -247,7 +275,7 @@ class Endpoints:
         await ws.accept(subprotocol=getattr(ws.state, "subprotocol", None))
         outlet: Any = ws.scope.get("extensions", {}).get(OUTLET)
         outbox = Outbox(_as_outlet(outlet), pause_at=self.service.config.max_send_buffer_bytes)
-        session = SocketSession(outbox, self.service)
+        session = SocketSession(outbox, self.service, self._share(ws, socket=True))
         if outlet is not None:
             outlet.busy = lambda: session.has_calls  # a socket with a call is not idle
         # Under the frontend's own protocol (`websocket.FrontendWebSocketProtocol`) a message
@@ -268,7 +296,7 @@ class Endpoints:
         if (err := await self.refused(ws)) is not None:
             await _deny(ws, err)
             return
-        await self.hub.serve(ws, getattr(ws.state, "subprotocol", None))
+        await self.hub.serve(ws, getattr(ws.state, "subprotocol", None), self._share(ws, socket=False))
 
     async def healthz(self, request: Request) -> Response:
         ok = self.service.ready.is_set()
@@ -285,7 +313,9 @@ class Endpoints:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def livez(self, request: Request) -> Response:
-        return JSONResponse({"live": True})
+        """Live: it answers, and its bus connection is not lost for good (shared.bus.readiness)."""
+        status, body = liveness(self.service.readiness.live())
+        return Response(body, status_code=status, media_type="application/json")
 
     async def readyz(self, request: Request) -> Response:
         """Ready: connected to NATS, the stream there, a conductor alive (shared.bus.readiness)."""
@@ -293,6 +323,9 @@ class Endpoints:
         return Response(body, status_code=status, media_type="application/json")
 
     async def metrics(self, request: Request) -> Response:
+        """Behind a token where tokens are set: the metrics say what the frontend serves, and how much."""
+        if self.access.needs_token and not self.access.bearer(request.headers):
+            return error_response(None, Unauthorized("/metrics needs a bearer token (auth.tokens): Authorization: Bearer TOKEN"))
         m = self.service.metrics
         m.sockets.set(len(self.guard))
         m.socket_queue.set(self.guard.buffered(time.monotonic())[1])
@@ -332,11 +365,44 @@ class Endpoints:
                     log.exception("ending a connection (%s) failed", why.key)
 
 
+def announced_too_large(request: Request, limit: int) -> BodyTooLarge | None:
+    """A body whose Content-Length is over `limit`: refused (413) before a byte of it is read.
+    (A body without one, chunked, is counted as it is read: `OneShot._body`.)"""
+    announced = request.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > limit:
+        return BodyTooLarge("max_message_mb", f"a request body of {announced} bytes, over the limit of {limit}")
+    return None
+
+
+class HostCheck:
+    """ASGI middleware: a request whose Host the frontend does not answer (`hosts.HostRule`)
+    gets 421 before any route runs, a WebSocket at its handshake."""
+
+    def __init__(self, app: ASGIApp, rule: HostRule) -> None:
+        self.app = app
+        self.rule = rule
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            hosts = [v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"]
+            server = scope.get("server")
+            err = self.rule.refusal(hosts[0] if hosts else None, server[0] if server else None)
+            if err is not None:
+                log.warning("refusing a request for host %r (auth.allowed_hosts)", err.host)
+                if scope["type"] == "http":
+                    await error_response(None, err, close=True)(scope, receive, send)
+                else:
+                    await _deny(WebSocket(scope, receive, send), err)
+                return
+        await self.app(scope, receive, send)
+
+
 async def _deny(ws: WebSocket, err: DuplexError) -> None:
     """Refuse a socket before its handshake. A 503 is answered as itself (a gateway retries
-    it on another frontend: nothing was sent); the access checks' refusals as a close, which
-    the client gets as 403 (as under a server without denial responses, a 503 too)."""
-    if err.status == 503 and "websocket.http.response" in ws.scope.get("extensions", {}):
+    it on another frontend: nothing was sent), a 421 too (its one line says which setting to
+    change); the access checks' refusals as a close, which the client gets as 403 (as under
+    a server without denial responses, a 503 or 421 too)."""
+    if err.status in (421, 503) and "websocket.http.response" in ws.scope.get("extensions", {}):
         await ws.send_denial_response(error_response(None, err, close=True))
     else:
         await ws.close(1008)
@@ -381,6 +447,7 @@ async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:
 
 def create_app(config: ServingConfig, service: FrontendService | None = None, checks: Sequence[Check] = ()) -> Starlette:
     endpoints = Endpoints(service or FrontendService(config), checks)
-    app = Starlette(routes=endpoints.routes(), lifespan=endpoints.lifespan)
+    hosts = Middleware(HostCheck, rule=HostRule.from_config(config))
+    app = Starlette(routes=endpoints.routes(), lifespan=endpoints.lifespan, middleware=[hosts])
     app.state.service = endpoints.service
     return app

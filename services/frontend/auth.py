@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from shared.runtime.errors import Forbidden, Unauthorized
@@ -27,9 +27,12 @@ SUBPROTOCOL_PREFIXES = ("duplexbus.bearer.", "openai-insecure-api-key.")
 
 @dataclass(frozen=True)
 class Grant:
-    """Let in; `subprotocol` is the one to accept the socket with (the one that carried the token)."""
+    """Let in; `subprotocol` is the one to accept the socket with (the one that carried the token).
+    `client` names the token that let it in (`token 1`, by its place; never the token itself),
+    which its calls count against (`shares.py`); None without tokens."""
 
     subprotocol: str | None = None
+    client: str | None = field(default=None, compare=False)
 
 
 class Access:
@@ -51,18 +54,25 @@ class Access:
         if not self.tokens:
             return Grant()
         auth = headers.get("authorization", "")
-        if auth[:7].lower() == "bearer " and self._known(auth[7:].strip()):
-            return Grant()
+        if auth[:7].lower() == "bearer " and (which := self._which(auth[7:].strip())) is not None:
+            return Grant(client=which)
         for proto in subprotocols:
             for prefix in SUBPROTOCOL_PREFIXES:
-                if proto.startswith(prefix) and self._known(proto[len(prefix) :]):
-                    return Grant(subprotocol=proto)
+                if proto.startswith(prefix) and (which := self._which(proto[len(prefix) :])) is not None:
+                    return Grant(subprotocol=proto, client=which)
         return Unauthorized("a bearer token is needed (Authorization: Bearer TOKEN)")
 
-    def _known(self, token: str) -> bool:
+    def bearer(self, headers: Mapping[str, str]) -> bool:
+        """An `Authorization: Bearer` header with a known token (`/metrics`: no subprotocols, no Origin rule)."""
+        auth = headers.get("authorization", "")
+        return auth[:7].lower() == "bearer " and self._which(auth[7:].strip()) is not None
+
+    def _which(self, token: str) -> str | None:
+        """The label of the token given (`token N`, by its place), None if it is not one."""
         given = token.encode()
         # Every token is compared, whatever matched, so the time taken says nothing.
-        return any([hmac.compare_digest(given, t) for t in self.tokens])
+        matches = [hmac.compare_digest(given, t) for t in self.tokens]
+        return f"token {matches.index(True) + 1}" if any(matches) else None
 
     def _origin_allowed(self, origin: str, host: str, scheme: str) -> bool:
         o = _origin(origin)

@@ -21,6 +21,7 @@ from services.frontend.protocol import (
     valid_request_id,
 )
 from services.frontend.relayed_call import RelayedCall, Sink
+from services.frontend.shares import Share, open_shared
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import Aborted, BusError, Conflict, DuplexError, UnknownCall
 
@@ -72,12 +73,14 @@ class SocketSession:
 
     The session holds its calls (each told to the session when it ends, `_forget`); the
     service knows only the calls, not who opened them. Messages go out through the
-    socket's `Outbox`.
+    socket's `Outbox`. Its calls count against its `share` (`shares.py`: the socket's and
+    its token's caps; None: no cap).
     """
 
-    def __init__(self, outbox: Outbox, service: Calls) -> None:
+    def __init__(self, outbox: Outbox, service: Calls, share: Share | None = None) -> None:
         self.outbox = outbox
         self.service = service
+        self.share = share
         self.calls: dict[str, RelayedCall] = {}  # the live ones with a request_id, by it
         self.unnamed: set[RelayedCall] = set()  # one-shots without a request_id
         # Messages of a call whose opening, end of input or abort is under way, by request_id:
@@ -184,7 +187,7 @@ class SocketSession:
     async def _open(self, o: Opening) -> None:
         if self.live(o.request_id) is not None:
             raise Conflict(f"request_id {o.request_id!r} is already in use by a live call")
-        call = await self.service.open_call(o, self.outbox, on_end=self._forget)
+        call = await open_shared(self.share, self.service.open_call, o, self.outbox, on_end=self._forget)
         if self.closed:  # the socket closed while the call was opening
             await self.service.abort(call, "socket closed", 499)
             return

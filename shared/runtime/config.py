@@ -39,6 +39,10 @@ class RealtimeConfig(msgspec.Struct, forbid_unknown_fields=True):
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True):
     tokens: list[str] = []  # bearer tokens a client must give (none: no token needed); also $DUPLEXBUS_TOKENS
     allowed_origins: list[str] = []  # browser origins allowed besides the frontend's own
+    # Host names a frontend answers besides loopback names and addresses (`name`, `.domain`
+    # for it and its subdomains, `*` for any): checked on a loopback connection without
+    # tokens (a DNS-rebinding page names its own host), and everywhere once any is listed.
+    allowed_hosts: list[str] = []
 
 
 class TLSConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -55,12 +59,19 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nats_monitor_port: int | None = None  # the embedded nats-server's monitoring port (`duplexbus up`); None: a free one
     max_concurrent_requests: int = 512
     max_queued_requests: int = 64
+    # Calls one client may hold on a frontend at once (live, queued or opening), so that one
+    # cannot take every slot; None: a quarter (a socket) or half (a token) of max_concurrent_requests.
+    max_calls_per_socket: int | None = None
+    max_calls_per_token: int | None = None
     max_call_input_mb: float = 64.0
     client_streams: dict[str, StreamConfig] = {}
     request_timeout_s: float = 30.0
     max_call_duration_s: float = 3600.0
     retention: RetentionConfig = msgspec.field(default_factory=RetentionConfig)
     host: str = "127.0.0.1"
+    # Where the conductor's and workers' /livez, /readyz and /metrics listen: loopback unless
+    # opened here (a container's, scraped over its network), whatever `host` the frontends take.
+    health_host: str = "127.0.0.1"
     port: int = 8000
     max_message_mb: float = 16.0  # one WebSocket message
     max_send_buffer_mb: float = 16.0  # output waiting for one client; past it its calls' outputs wait in the stream
@@ -134,6 +145,9 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("step_window_ms", "must be >= 0")
         if self.nats_monitor_port is not None and not 0 < self.nats_monitor_port < 65536:
             raise ConfigError("nats_monitor_port", f"must be a port, 1 to 65535, got {self.nats_monitor_port}")
+        for key, cap in (("max_calls_per_socket", self.max_calls_per_socket), ("max_calls_per_token", self.max_calls_per_token)):
+            if cap is not None and cap < 1:
+                raise ConfigError(key, f"must be >= 1, got {cap}")
         if self.max_queued_requests < 0:
             raise ConfigError("max_queued_requests", "must be >= 0")
         for edge, s in self.client_streams.items():
@@ -162,6 +176,20 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         finished calls at max_age_s; this only takes what it could not (a call whose open
         never reached it)."""
         return self.retention.max_age_s + self.max_call_duration_s
+
+    @property
+    def calls_per_socket(self) -> int:
+        """max_calls_per_socket, its default resolved: a quarter of the slots (128 of 512)."""
+        if self.max_calls_per_socket is not None:
+            return self.max_calls_per_socket
+        return max(1, self.max_concurrent_requests // 4)
+
+    @property
+    def calls_per_token(self) -> int:
+        """max_calls_per_token, its default resolved: half of the slots (256 of 512)."""
+        if self.max_calls_per_token is not None:
+            return self.max_calls_per_token
+        return max(1, self.max_concurrent_requests // 2)
 
     @property
     def max_call_input_bytes(self) -> int:

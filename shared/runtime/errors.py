@@ -41,6 +41,18 @@ class Forbidden(DuplexError):
     status = 403
 
 
+class MisdirectedHost(DuplexError):
+    """A request naming a host the frontend does not serve (`Host` header): on a loopback
+    frontend with no token, only loopback names and `auth.allowed_hosts` are taken, so a
+    page on a rebinding DNS name (evil.example resolving to 127.0.0.1) reaches nothing."""
+
+    status = 421
+
+    def __init__(self, host: str, message: str) -> None:
+        super().__init__(message)
+        self.host = host
+
+
 class UnknownCall(DuplexError):
     """No live call of that request_id on this socket."""
 
@@ -51,6 +63,23 @@ class Conflict(DuplexError):
     """A live call already uses that request_id."""
 
     status = 409
+
+
+class BodyTooLarge(LimitExceeded):
+    """A request announcing a body over a bound (its Content-Length), refused before any of it is read."""
+
+    status = 413
+
+
+class TooManyCalls(DuplexError):
+    """One client holds as many calls as it may (`limit`: max_calls_per_socket or
+    max_calls_per_token); its other calls go on, and a slot frees as one ends."""
+
+    status = 429
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(f"{limit}: {message}")
+        self.limit = limit
 
 
 class CallTimeout(DuplexError):

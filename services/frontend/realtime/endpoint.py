@@ -38,10 +38,11 @@ from services.frontend.realtime.session import (
 )
 from services.frontend.relayed_call import RelayedCall
 from services.frontend.service import FrontendService
+from services.frontend.shares import Share, open_shared
 from services.frontend.socket_session import told
 from services.frontend.websocket import SEND_NOW
 from shared.bus import subjects, wire
-from shared.runtime.errors import BadRequest, BusError, DuplexError, LimitExceeded, Overloaded
+from shared.runtime.errors import BadRequest, BusError, DuplexError, LimitExceeded, Overloaded, TooManyCalls
 from shared.runtime.process import TaskSet, cancel_and_wait
 from shared.sdk.model import ClientFile, ClientInput, Model
 
@@ -178,10 +179,13 @@ class LiveSession:
         self.close_code = (1000, "")
 
     # -- the call ------------------------------------------------------------------------
-    async def open(self) -> None:
+    async def open(self, share: Share | None = None) -> None:
+        """Open the session's call, within `share` (its token's, `shares.py`: given back when
+        the call ends, whichever socket holds the session then)."""
         # Every message reaches `sink` (as JSON bytes), with no bound of the call's own: the
         # session's events go to its socket through the session's outbox.
-        call = await self.svc.open_call(Opening(self.rid, self.model_name, ClientInput()), Outbox(self.sink))
+        opening = Opening(self.rid, self.model_name, ClientInput())
+        call = await open_shared(share, self.svc.open_call, opening, Outbox(self.sink))
         self.call = call
         self.log = EventLog(self.svc, call.cid)
         self.tasks.spawn(self.log.run())
@@ -354,8 +358,9 @@ class RealtimeHub:
         )
         return LiveSession(self, name, model, core, f"rt-{sid}")
 
-    async def serve(self, ws: WebSocket, subprotocol: str | None = None) -> None:
-        """One socket from accept to close (accepted with `subprotocol`: the one that carried its token)."""
+    async def serve(self, ws: WebSocket, subprotocol: str | None = None, share: Share | None = None) -> None:
+        """One socket from accept to close (accepted with `subprotocol`: the one that carried
+        its token); its session's call counts against `share`."""
         await ws.accept(subprotocol=subprotocol)
         outbox = EventSender(ws, self.svc.config.max_send_buffer_bytes, self._overflowed)
         name = ws.query_params.get("model") or self.svc.default_model
@@ -370,7 +375,11 @@ class RealtimeHub:
         session: LiveSession | None = self._session(name, model)
         assert session is not None
         try:
-            await session.open()
+            await session.open(share)
+        except TooManyCalls as e:  # the token's share of this frontend is taken (max_calls_per_token)
+            outbox.send(to_json(standalone_error("too_many_calls", e.message)))
+            await outbox.close(1013, "try again later")
+            return
         except Overloaded as e:  # the frontend is starting or stopping (the conductor's cap comes later, as a 503)
             outbox.send(to_json(standalone_error("server_busy", e.message, "server_error")))
             await outbox.close(1013, "try again later")
