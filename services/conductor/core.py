@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,15 @@ from shared.runtime.config import ServingConfig
 from shared.runtime.states import checked
 
 KWARGS_INLINE_MAX = 64 * 1024  # larger model_kwargs are read by workers from the call's open message
+# Calls ended (or aborted before their open came) that are remembered, so that an open read
+# again (redelivered after ack_wait, its ack lost) or read after its abort is not placed.
+# Bounded: past it the oldest go, and the frontends' heartbeats end what slips through.
+ENDED_MAX = 32_768
+# Consecutive listed heartbeats of its frontend, each built after the call was taken, that
+# must leave a call out before the conductor ends it: one proves the frontend let it go; the
+# second leaves the frontend's own abort, published just after, the time to arrive first.
+UNHELD_BEATS = 2
+FRONTENDS_MAX = 10_000  # frontends whose last listing (or loss) is kept, the oldest dropped past it
 
 # A worker's refusals that say it takes no new call now (it is draining after a SIGTERM, or
 # full), not that the call is at fault: the conductor's view of it was late, and the call is
@@ -106,6 +115,13 @@ class FrontendLost:
 
 
 @dataclass(frozen=True)
+class FrontendSeen:
+    """A new heartbeat of a frontend (not one replayed by a watch made again)."""
+
+    hb: wire.FrontendHeartbeat
+
+
+@dataclass(frozen=True)
 class Tick:
     now: float
 
@@ -119,7 +135,7 @@ class StreamFull:
 
 Event = (
     Opened | InputEnded | PartitionDone | AbortRequested | AssignResult
-    | WorkerSeen | WorkerLost | FrontendLost | Tick | StreamFull
+    | WorkerSeen | WorkerLost | FrontendLost | FrontendSeen | Tick | StreamFull
 )  # fmt: skip
 
 
@@ -190,6 +206,8 @@ class Call:
     usage: dict[str, dict[str, Any]] = field(default_factory=dict)  # partition -> what it reported
     waiting_since: float = 0.0
     request_id_revision: int = 0
+    frontend_beat: int = 0  # the open's: the frontend's heartbeats numbered above it list the call while it holds it
+    unheld: int = 0  # its frontend's listed heartbeats in a row, since it took the call, that left it out
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
     # Workers that refused this placement as busy (draining, full): not asked again until the
     # call is placed, so a placement asks each worker at most once. Not saved: a restored
@@ -210,6 +228,7 @@ class Call:
             live=r.live,
             created=r.created,
             request_id_revision=r.request_id_revision,
+            frontend_beat=r.frontend_beat,
             model_kwargs=dict(r.model_kwargs),
             kwargs_in_open=r.kwargs_in_open,
             partitions=list(r.partitions),
@@ -230,6 +249,7 @@ class Call:
             live=self.live,
             created=self.created,
             request_id_revision=self.request_id_revision,
+            frontend_beat=self.frontend_beat,
             model_kwargs={} if self.kwargs_in_open else self.model_kwargs,
             kwargs_in_open=self.kwargs_in_open,
             partitions=list(self.partitions),
@@ -238,6 +258,23 @@ class Call:
             done=dict(self.done),
             usage={p: dict(u) for p, u in self.usage.items()},
         )
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A frontend's latest listed heartbeat: the calls it held when it built heartbeat `beat`."""
+
+    beat: int
+    calls: frozenset[str]
+
+
+LET_GO = "the frontend no longer holds the call"
+LOST = "frontend lost"
+
+
+def _ended_as(status: int) -> str:
+    """The fin's reason for a call ended with `status` before it completed."""
+    return "aborted" if status == 499 else "error"
 
 
 def merge_usage(by_partition: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -268,6 +305,11 @@ class Conductor:
         self.workers: dict[str, Worker] = {}
         self.clock = 0.0  # the latest time an event brought
         self.stream_full = False  # past retention.hard_max_bytes: new calls are refused, live ones go on
+        # Reconciliation with the frontends (docs/design.md): what each one's latest listed
+        # heartbeat says it holds; None for one lost, which holds nothing until it beats again.
+        self.listings: OrderedDict[str, Listing | None] = OrderedDict()
+        # cid -> None: the call ended here (its fin is out); or the abort read before its open.
+        self.ended: OrderedDict[str, AbortRequested | None] = OrderedDict()
 
     # -- queries -------------------------------------------------------------
     @property
@@ -287,6 +329,10 @@ class Conductor:
             case PartitionDone():
                 return self._done(ev)
             case AbortRequested():
+                if ev.cid not in self.calls and ev.cid not in self.ended:
+                    # Its open is not read yet (delivered again after this, say): it is never placed.
+                    self._remember_end(ev.cid, ev)
+                    return []
                 return self._abort(ev.cid, ev.reason, ev.status, notify_workers=False)
             case AssignResult():
                 return self._assign_result(ev)
@@ -295,8 +341,11 @@ class Conductor:
             case WorkerLost():
                 return self._worker_lost(ev.worker_id)
             case FrontendLost():
+                self._list(ev.frontend_id, None)
                 cids = [c.cid for c in self.calls.values() if c.frontend_id == ev.frontend_id]
-                return [a for cid in cids for a in self._abort(cid, "frontend lost", 499, notify_workers=True)]
+                return [a for cid in cids for a in self._abort(cid, LOST, 499, notify_workers=True)]
+            case FrontendSeen():
+                return self._frontend_seen(ev.hb)
             case Tick():
                 return self._tick(ev.now)
             case StreamFull():
@@ -309,6 +358,8 @@ class Conductor:
         m = ev.msg
         if m.cid in self.calls:
             return []  # redelivered open
+        if m.cid in self.ended and self.ended[m.cid] is None:
+            return []  # the call ended here already: its open read again (its ack was lost)
         call = Call(
             cid=m.cid,
             request_id=m.request_id,
@@ -321,7 +372,14 @@ class Conductor:
             kwargs_in_open=len(msgspec.msgpack.encode(m.model_kwargs)) > KWARGS_INLINE_MAX,
             partitions=list(self.partitions_of.get(m.model, [])),  # known once a worker of the model is seen
             open_streams=set(m.open_streams),
+            frontend_beat=m.frontend_beat,
         )
+        early = self.ended.get(m.cid)
+        if early is not None:  # its abort was read first: the abort wins, the call is never placed
+            return [self._fin_msg(call, early.status, _ended_as(early.status), early.reason)]
+        gone = self._let_go(m)
+        if gone is not None:
+            return [self._fin_msg(call, 499, "aborted", gone)]
         if self.stream_full:
             hard = self.config.retention.refuse_above_bytes
             return [self._fin_msg(call, 503, "overloaded", f"the stream is full (retention.hard_max_bytes, {hard} bytes)")]
@@ -335,6 +393,17 @@ class Conductor:
             return [SaveRecord(call.record())]
         self.calls[call.cid] = call
         return self._place(call, now=ev.now)
+
+    def _let_go(self, m: wire.Open) -> str | None:
+        """Why the call's frontend holds it no more, as its latest listing says (None: it may)."""
+        if m.frontend_id not in self.listings:
+            return None
+        listing = self.listings[m.frontend_id]
+        if listing is None:
+            return LOST
+        if listing.beat > m.frontend_beat and m.cid not in listing.calls:  # built after it took the call
+            return LET_GO
+        return None
 
     def _place(self, call: Call, only: list[str] | None = None, now: float | None = None) -> list[Action]:
         """Each partition on the live worker with the most free slots.
@@ -460,12 +529,13 @@ class Conductor:
         actions: list[Action] = []
         if notify_workers:
             actions.append(PublishAbort(cid, wire.Abort(reason=reason, status=status)))
-        return actions + self._finish(call, status, "aborted" if status == 499 else "error", reason)
+        return actions + self._finish(call, status, _ended_as(status), reason)
 
     def _finish(self, call: Call, status: int, reason: str, error: str | None) -> list[Action]:
         was_queued = call.cid in self.queue
         call.move(CallState.FINISHED)
         del self.calls[call.cid]
+        self._remember_end(call.cid, None)
         if was_queued:
             self.queue.remove(call.cid)
         # The slot is free now, not at the worker's next heartbeat: a queued one-shot admitted
@@ -498,8 +568,45 @@ class Conductor:
         return actions
 
     def _fin_msg(self, call: Call, status: int, reason: str, error: str) -> PublishFin:
+        """The fin of a call refused at its open (never placed)."""
+        self._remember_end(call.cid, None)
         fin = wire.Fin(status=status, reason=reason, error=error)
         return PublishFin(call.cid, fin, call.request_id, call.request_id_revision)
+
+    def _remember_end(self, cid: str, early: AbortRequested | None) -> None:
+        self.ended[cid] = early
+        self.ended.move_to_end(cid)
+        while len(self.ended) > ENDED_MAX:
+            self.ended.popitem(last=False)
+
+    # -- reconciliation with the frontends -------------------------------------
+    def _list(self, frontend_id: str, listing: Listing | None) -> None:
+        self.listings[frontend_id] = listing
+        self.listings.move_to_end(frontend_id)
+        while len(self.listings) > FRONTENDS_MAX:
+            self.listings.popitem(last=False)
+
+    def _frontend_seen(self, hb: wire.FrontendHeartbeat) -> list[Action]:
+        """A frontend's heartbeat lists the calls it holds: each of its calls that
+        UNHELD_BEATS listings in a row, built after it took the call, leave out is let go
+        there (its abort lost, or read before its open), and ended here."""
+        fid = hb.frontend_id
+        if fid in self.listings and self.listings[fid] is None:
+            del self.listings[fid]  # lost, and beating again: it holds what it lists from now on
+        last = self.listings.get(fid)
+        if hb.calls is None or (last is not None and hb.beat <= last.beat):
+            return []  # not listed (a 1.1 frontend, or one holding more than it lists), or older than the one kept
+        listing = Listing(hb.beat, frozenset(hb.calls))
+        self._list(fid, listing)
+        actions: list[Action] = []
+        for call in [c for c in self.calls.values() if c.frontend_id == fid]:
+            if call.cid in listing.calls:
+                call.unheld = 0
+            elif hb.beat > call.frontend_beat:
+                call.unheld += 1
+                if call.unheld >= UNHELD_BEATS:
+                    actions.extend(self._abort(call.cid, LET_GO, 499, notify_workers=True))
+        return actions
 
     # -- liveness ------------------------------------------------------------
     def _worker_seen(self, hb: wire.WorkerHeartbeat) -> list[Action]:

@@ -354,9 +354,13 @@ class ConductorService:
             return
         if not entry.value or not live.saw(entry.key, entry.revision, time.monotonic()):
             return  # a replayed heartbeat
-        if bucket == subjects.KV_WORKERS:
-            with contextlib.suppress(DuplexError):
-                await self.events.put((core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat)), None))
+        with contextlib.suppress(DuplexError):  # undecodable: a sign of life, and nothing more
+            ev: core.Event
+            if bucket == subjects.KV_WORKERS:
+                ev = core.WorkerSeen(wire.decode_as(entry.value, wire.WorkerHeartbeat))
+            else:  # it lists the calls the frontend holds: the core ends those it no longer does
+                ev = core.FrontendSeen(wire.decode_as(entry.value, wire.FrontendHeartbeat))
+            await self.events.put((ev, None))
 
     async def _beat(self) -> None:
         await health_beat(self.bus, self.config.heartbeat_s)

@@ -19,6 +19,7 @@ from typing import Any
 
 from models.registry import get_model, served_model
 from services.frontend.calls import CallInput, InputState
+from services.frontend.heartbeat import Beats
 from services.frontend.inputs import STORE_PATIENCE_S, InputPublisher
 from services.frontend.outputs import Outputs
 from services.frontend.probes import BusProbe, LoopLagProbe
@@ -57,6 +58,7 @@ class FrontendService:
         self.config = config
         self.frontend_id = frontend_id or subjects.new_process_id("frontend")
         self.calls: dict[str, RelayedCall] = {}  # cid -> call
+        self.beats = Beats(self.frontend_id, self.calls)  # each heartbeat lists the calls held (reconciliation)
         self._bus: BusConnection | None = None
         self.ready = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
@@ -117,8 +119,7 @@ class FrontendService:
             log.error("frontend %s cannot use the bus: %s", self.frontend_id, e)
             raise
         self.readiness.conn = self._bus
-        hb = wire.encode(wire.FrontendHeartbeat(frontend_id=self.frontend_id, ts=0.0))
-        self.life = SignsOfLife(self.config, subjects.KV_FRONTENDS, self.frontend_id, lambda: hb, self.config.heartbeat_s)
+        self.life = SignsOfLife(self.config, subjects.KV_FRONTENDS, self.frontend_id, self.beats.next, self.config.heartbeat_s)
         self.tasks.spawn(self.life.run())
         self.tasks.spawn(every(0.25, self._check_timeouts, "timeouts"))
         self.tasks.spawn(self.bus_probe.run())
@@ -269,6 +270,7 @@ class FrontendService:
             except KeyTaken:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
         call = RelayedCall(cid, o.request_id, inp, sink, live, revision, on_end=on_end)
+        beat = self.beats.taken()  # with no await before the call is held: later heartbeats list it
         self.calls[cid] = call
         try:
             call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self.outputs.on_out))
@@ -287,6 +289,7 @@ class FrontendService:
                         published=dict(inp.published),
                         live=live,
                         request_id_revision=revision,
+                        frontend_beat=beat,
                     )
                 ),
                 STORE_PATIENCE_S,

@@ -24,9 +24,10 @@ from shared.sdk.chunking import Item
 # `v` stays the major alone: the decoders already deployed refuse any `v` above 1, so a
 # new minor must never raise it. The minor travels beside it, in `vm`, which those
 # decoders ignore like any field they do not know.
-# Minors: 1.1 added EdgeItemMsg.walk.
+# Minors: 1.1 added EdgeItemMsg.walk; 1.2 the frontend's beats and held calls
+# (FrontendHeartbeat.beat and .calls, Open.frontend_beat, CallRecord.frontend_beat).
 MAJOR = 1
-MINOR = 1
+MINOR = 2
 _T = TypeVar("_T", bound="Msg")
 
 
@@ -75,6 +76,10 @@ class Open(Msg, tag="open"):
     published: dict[str, int] = {}  # items already published per edge
     live: bool = True  # a live call leaves a stream open; a one-shot may queue
     request_id_revision: int = 0  # the request_ids KV revision that reserved it: freed in one round trip
+    # 1.2: the number of the frontend's last heartbeat built before it took the call: each
+    # heartbeat numbered above lists the call while the frontend holds it (0: before its first,
+    # or a frontend that lists none).
+    frontend_beat: int = 0
 
 
 class InputItem(Msg, tag="in"):
@@ -170,6 +175,11 @@ class WorkerHeartbeat(Msg, tag="worker_hb"):
 class FrontendHeartbeat(Msg, tag="frontend_hb"):
     frontend_id: str
     ts: float
+    # 1.2: the heartbeat's number, counted from 1 by the frontend process (0: not counted).
+    beat: int = 0
+    # 1.2: the cids of the calls the frontend holds as it builds the heartbeat; None: not
+    # listed (a 1.1 frontend, or one holding more than it lists): nothing is reconciled by it.
+    calls: list[str] | None = None
 
 
 class CallRecord(Msg, tag="call"):
@@ -190,6 +200,7 @@ class CallRecord(Msg, tag="call"):
     placement: dict[str, str] = {}  # partition -> worker_id
     done: dict[str, int] = {}  # partition -> outputs
     usage: dict[str, Any] = {}
+    frontend_beat: int = 0  # 1.2: the open's, so a restored call is reconciled as before
 
 
 class Placed(Msg, tag="placed"):
