@@ -5,10 +5,14 @@ given back (docs/design.md, "Reconciliation")."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.conductor import core
+from services.conductor.observe import Observer
 from services.frontend.heartbeat import Beats
 from shared.bus import wire
 from shared.runtime.config import parse_config
+from shared.runtime.metrics import ConductorMetrics
 
 PARTS = ["Encoder", "Talker"]
 LIMIT = 2
@@ -211,3 +215,13 @@ def test_the_frontends_heartbeats_are_numbered_and_list_the_calls_it_holds() -> 
     held["d"] = 1
     over = wire.decode_as(beats.next(), wire.FrontendHeartbeat)
     assert (over.beat, over.calls) == (3, None)  # more than it lists: none listed, none ended for it
+
+
+def test_a_call_ended_for_its_frontend_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    c = conductor()
+    observer = Observer(c, ConductorMetrics())
+    run(c, "a", beat_=1)
+    for n in (2, 3):
+        ev = beat(n, [])
+        observer.after(ev, c.handle(ev), 0.0)
+    assert "call a ended: its frontend no longer holds it" in caplog.text

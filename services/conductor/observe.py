@@ -31,6 +31,8 @@ class Observer:
                 self.metrics.placements.inc(len(a.msg.partitions))
             elif isinstance(a, core.PublishFin):
                 self.placing_since.pop(a.cid, None)
+                if a.msg.error == core.LET_GO:  # its abort lost, or read before its open: worth a look
+                    log.warning("call %s ended: its frontend no longer holds it (%s)", a.cid, type(ev).__name__)
         if isinstance(ev, core.AssignResult) and ev.ok:
             call = self.core.calls.get(ev.cid)
             since = self.placing_since.get(ev.cid)
