@@ -163,6 +163,7 @@ def up_options(args: argparse.Namespace, cfg: ServingConfig) -> UpOptions:
         colocate=args.colocate,
         stop_timeout=cfg.shutdown_drain_s + 5.0,  # children drain for shutdown_drain_s before they exit
         nats_monitor_port=args.nats_monitor_port or cfg.nats_monitor_port,
+        health_host=cfg.health_host,  # not --host: a frontend open to the network leaves these on loopback
     )
 
 

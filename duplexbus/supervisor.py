@@ -79,6 +79,7 @@ class UpOptions:
     colocate: bool = False  # each worker process runs every partition
     stop_timeout: float = 15.0  # per group of children; more than their shutdown_drain_s
     nats_monitor_port: int | None = None  # the embedded nats-server's monitoring port (None: a free one)
+    health_host: str = "127.0.0.1"  # where the conductor's and workers' /livez, /readyz, /metrics listen (health_host)
 
 
 def plan(opts: UpOptions, partitions: list[str], listen_fds: list[int] | None = None) -> list[Child]:
@@ -105,7 +106,7 @@ def plan(opts: UpOptions, partitions: list[str], listen_fds: list[int] | None = 
 
 def _health(opts: UpOptions) -> list[str]:
     """A worker's or the conductor's /livez, /readyz and /metrics: a free port of its own."""
-    return ["--health-port", str(free_port(opts.host))]
+    return ["--health-port", str(free_port(opts.health_host))]
 
 
 def health_urls(children: list[Child], host: str) -> list[str]:
@@ -376,7 +377,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             warning = open_warning(opts.host, cfg)
             if warning is not None:
                 print(warning, file=sys.stderr, flush=True)
-            print(f"metrics: {url}/metrics (frontends), " + ", ".join(health_urls(children, opts.host)), flush=True)
+            print(f"metrics: {url}/metrics (frontends), " + ", ".join(health_urls(children, opts.health_host)), flush=True)
             print(f"duplexbus serving on {url}  (logs in {log_dir}; Ctrl-C stops everything)", flush=True)
         elif not stop:  # (a stop during start-up is no failure)
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)

@@ -84,8 +84,8 @@ class ConductorService:
         sub = await self.bus.durable(conductor_consumer())
         self.readiness.conn = self.bus
         health = None
-        if self.health_port is not None:  # on the serving host: loopback unless the config opens it
-            health = HealthServer(self.metrics, self.readiness, host=self.config.host, port=self.health_port)
+        if self.health_port is not None:  # loopback unless the config opens it (health_host)
+            health = HealthServer(self.metrics, self.readiness, host=self.config.health_host, port=self.health_port)
         if health is not None:
             await health.start()
         # In NATS service discovery: frontends and workers ping it to know a conductor is alive.

@@ -116,8 +116,8 @@ class WorkerService:
         await self.bus.subscribe(subjects.assign(self.worker_id), self.assignment.on_assign)
         self.readiness.conn = self.bus
         health = None
-        if self.health_port is not None:  # on the serving host: loopback unless the config opens it
-            health = HealthServer(self.metrics, self.checks, host=self.config.host, port=self.health_port)
+        if self.health_port is not None:  # loopback unless the config opens it (health_host)
+            health = HealthServer(self.metrics, self.checks, host=self.config.health_host, port=self.health_port)
             await health.start()
         # In NATS service discovery (`nats micro ls`), with its figures at ctl.worker.{id}.stats.
         meta = {"worker_id": self.worker_id, "model": self.model_name, "partitions": ",".join(self.partitions)}
