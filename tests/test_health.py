@@ -150,7 +150,8 @@ async def _worker_metrics(observed: Observed) -> str:
 async def test_a_live_workers_metrics_livez_and_readyz(observed: Observed) -> None:
     call = await EchoCall.open(observed.stack.ws_url(), "metered", frames=4)
     await call.finish(logs=observed.stack.logs())
-    assert await asyncio.to_thread(_get, f"http://127.0.0.1:{observed.worker}/livez") == (200, b'{"live": true}')
+    status, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{observed.worker}/livez")
+    assert status == 200 and json.loads(body) == {"live": True, "checks": {"bus": True}}  # its connection not lost
     status, body = await _ready(observed.worker)
     checks = {"nats": True, "stream": True, "conductor": True, "serving": True}  # serving: not stuck (worker_stuck_s)
     assert status == 200 and json.loads(body) == {"ready": True, "checks": checks}

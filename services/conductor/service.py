@@ -85,7 +85,9 @@ class ConductorService:
         self.readiness.conn = self.bus
         health = None
         if self.health_port is not None:  # loopback unless the config opens it (health_host)
-            health = HealthServer(self.metrics, self.readiness, host=self.config.health_host, port=self.health_port)
+            health = HealthServer(
+                self.metrics, self.readiness, host=self.config.health_host, port=self.health_port, live=self.readiness.live
+            )
         if health is not None:
             await health.start()
         # In NATS service discovery: frontends and workers ping it to know a conductor is alive.

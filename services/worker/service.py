@@ -117,7 +117,9 @@ class WorkerService:
         self.readiness.conn = self.bus
         health = None
         if self.health_port is not None:  # loopback unless the config opens it (health_host)
-            health = HealthServer(self.metrics, self.checks, host=self.config.health_host, port=self.health_port)
+            health = HealthServer(
+                self.metrics, self.checks, host=self.config.health_host, port=self.health_port, live=self.readiness.live
+            )
             await health.start()
         # In NATS service discovery (`nats micro ls`), with its figures at ctl.worker.{id}.stats.
         meta = {"worker_id": self.worker_id, "model": self.model_name, "partitions": ",".join(self.partitions)}
