@@ -133,7 +133,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     setup_logging("frontend", args.log_format)
     cfg = _config(args)
-    serve(cfg, args.host or cfg.host, args.port or cfg.port, fd=args.fd)
+    serve(cfg, args.host or cfg.host, args.port or cfg.port, fd=args.fd, health_port=args.health_port)
     return 0
 
 
@@ -300,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     fe.add_argument("--host", help="address to listen on (default: the config's `host`)")
     fe.add_argument("--port", type=int, help="port to listen on (default: the config's `port`)")
     fe.add_argument("--fd", type=int, help="accept on this inherited listening socket instead (as `duplexbus up` does)")
+    fe.add_argument(
+        "--health-port",
+        type=int,
+        help="answer /livez and /readyz on this port too (as `duplexbus up` does, to probe each of its frontends)",
+    )
     fe.set_defaults(fn=cmd_frontend)
 
     co = command("conductor", "admission, placement, completion")

@@ -2,8 +2,10 @@
 
 Children run in their own sessions so a terminal's Ctrl-C reaches only this
 supervisor, which stops them in order: frontends first (stop intake), then
-workers (drain), then the conductor, then NATS. A child that dies is restarted.
-If the supervisor itself is killed, the kernel stops the children (PDEATHSIG).
+workers (drain), then the conductor, then NATS. A child that dies is restarted; one
+whose `/livez` stops answering (frozen) or says it cannot recover is killed and
+restarted (liveness.py). If the supervisor itself is killed, the kernel stops the
+children (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
+from duplexbus.liveness import Life, LivenessJudge, Probe
 from services.frontend.exposure import open_warning
 from shared.bus.embedded import NatsServer, StoreInUse, free_port
 from shared.runtime.config import ServingConfig
@@ -34,6 +39,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # the supervision loop's pass
 RESTART_RESET_S = 30.0  # a child that ran this long restarts with the shortest backoff again
+PROBE_S = 1.0  # each child's /livez is asked this often
+PROBE_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -64,6 +71,11 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def health_port(self) -> int | None:
+        """Where its /livez, /readyz and /metrics are (None: it serves none)."""
+        return int(self.argv[self.argv.index("--health-port") + 1]) if "--health-port" in self.argv else None
 
 
 @dataclass
@@ -100,21 +112,95 @@ def plan(opts: UpOptions, partitions: list[str], listen_fds: list[int] | None = 
         fd = listen_fds[i] if listen_fds else None
         where = ["--fd", str(fd)] if fd is not None else ["--host", opts.host, "--port", str(opts.port + i)]
         fds = (fd,) if fd is not None else ()
-        children.append(Child(f"frontend-{i}", [*py, "frontend", *common, *where], order=0, pass_fds=fds))
+        # A port of its own too: the shared port cannot tell one frontend's /livez from another's.
+        argv = [*py, "frontend", *common, *where, *_health(opts)]
+        children.append(Child(f"frontend-{i}", argv, order=0, pass_fds=fds))
     return children
 
 
 def _health(opts: UpOptions) -> list[str]:
-    """A worker's or the conductor's /livez, /readyz and /metrics: a free port of its own."""
+    """A child's /livez, /readyz and /metrics: a free port of its own."""
     return ["--health-port", str(free_port(opts.health_host))]
 
 
 def health_urls(children: list[Child], host: str) -> list[str]:
     out = []
     for c in children:
-        if "--health-port" in c.argv:
-            out.append(f"{c.name} http://{host}:{c.argv[c.argv.index('--health-port') + 1]}/metrics")
+        if c.health_port is not None and not c.name.startswith("frontend"):  # (theirs: on the serving port)
+            out.append(f"{c.name} http://{host}:{c.health_port}/metrics")
     return out
+
+
+def probe_host(host: str) -> str:
+    """Where to reach a port bound on `host` from this machine (a wildcard: loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def probe_livez(url: str, timeout: float = PROBE_TIMEOUT_S) -> Probe:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return Probe.LIVE if r.status == 200 else Probe.FAILING
+    except urllib.error.HTTPError as e:  # it answers: 503 is its word that it cannot recover
+        return Probe.FAILING if e.code == 503 else Probe.LIVE
+    except OSError:  # refused, reset, timed out: a process that does not answer
+        return Probe.SILENT
+
+
+class Prober:
+    """Asks each child's /livez every PROBE_S, in threads (a frozen child's timeout never holds
+    the supervision loop), and kills the children its judges condemn (liveness.py); the
+    loop's `tend` then restarts them as any child that exited."""
+
+    def __init__(
+        self, children: list[Child], host: str, bound_s: float, start_grace_s: float,
+        probe: Callable[[str], Probe] | None = None, pool: Executor | None = None,
+    ) -> None:  # fmt: skip
+        """`start_grace_s`: what a restarted child has before its silence counts (the children
+        there at the first pass are up and ready: none). `probe` and `pool`: probe_livez, and
+        threads of its own, unless given (tests)."""
+        watched = [c for c in children if c.health_port is not None]
+        self.start_grace_s = start_grace_s
+        self._host = probe_host(host)
+        self._judges = {c.name: LivenessJudge(bound_s) for c in watched}
+        self._probe = probe or probe_livez
+        self._pool = pool or ThreadPoolExecutor(max_workers=max(1, len(watched)), thread_name_prefix="livez")
+        self._asked: dict[str, tuple[int, Future[Probe]]] = {}  # name -> (the pid asked, its answer)
+        self._pids: dict[str, int] = {}  # the process each judge judges
+        self._due: dict[str, float] = {}
+
+    def tend(self, children: list[Child], now: float) -> None:
+        for c in children:
+            judge = self._judges.get(c.name)
+            if judge is None or c.proc is None or not c.alive():
+                continue  # an exit is the restart loop's
+            if self._pids.get(c.name) != c.proc.pid:  # (re)started
+                judge.started(now, self.start_grace_s if c.name in self._pids else 0.0)
+                self._pids[c.name] = c.proc.pid
+            self._hear(c, judge, now)
+            if c.name not in self._asked and now >= self._due.get(c.name, 0.0):
+                url = f"http://{self._host}:{c.health_port}/livez"
+                self._asked[c.name] = (c.proc.pid, self._pool.submit(self._probe, url))
+                self._due[c.name] = now + PROBE_S
+
+    def _hear(self, c: Child, judge: LivenessJudge, now: float) -> None:
+        asked = self._asked.get(c.name)
+        if asked is None or not asked[1].done():
+            return
+        del self._asked[c.name]
+        if asked[0] != self._pids[c.name] or judge.heard(asked[1].result(), now) is not Life.REPLACING:
+            return
+        print(f"{c.name} (pid {asked[0]}): {judge.why}; killing it (SIGKILL) to start a new one", flush=True)
+        assert c.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            c.proc.kill()
+
+    def state(self, name: str) -> Life | None:
+        """How child `name` is judged now (None: it serves no /livez)."""
+        judge = self._judges.get(name)
+        return None if judge is None else judge.state
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _never() -> bool:
@@ -187,8 +273,11 @@ def wait_workers(
     return asyncio.run(poll())
 
 
-def tend(children: list[Child], env: dict[str, str], log_dir: Path, now: float) -> None:
+def tend(
+    children: list[Child], env: dict[str, str], log_dir: Path, now: float, exited: Callable[[Child], None] | None = None
+) -> None:
     """One pass of the supervision loop: note the children that exited, restart those whose backoff is over.
+    `exited` is told of each exit as it is noticed.
 
     Never waits: the loop checks for a stop between passes, so a backoff neither delays
     Ctrl-C nor restarts a child after it.
@@ -197,6 +286,8 @@ def tend(children: list[Child], env: dict[str, str], log_dir: Path, now: float) 
         if c.alive():
             continue
         if c.restart_at is None:
+            if exited is not None:
+                exited(c)
             if now - c.started > RESTART_RESET_S:
                 c.restarts = 0
             backoff = min(10.0, 0.5 * 2**c.restarts)
@@ -230,8 +321,8 @@ def save_nats_url(path: Path, url: str) -> None:
 def listen(host: str, port: int, n: int) -> list[socket.socket]:
     """One listening socket per frontend, all on `host:port` in one SO_REUSEPORT group: the
     kernel spreads new connections evenly over them (one socket shared by every process
-    goes mostly to whichever wakes first), and a frontend that restarts gets its socket,
-    and what waits in it, back.
+    goes mostly to whichever wakes first). A frontend that restarts gets its socket back:
+    alone, with what waits in it; with others, a new one (`renew`).
 
     The port is first bound alone, without SO_REUSEPORT: where anything holds it (another
     duplexbus up included, whose group this would otherwise join) that fails, and the port
@@ -255,6 +346,24 @@ def listen(host: str, port: int, n: int) -> list[socket.socket]:
             s.close()
         raise
     return socks
+
+
+def renew(sock: socket.socket) -> None:
+    """A new socket in the group in place of `sock` (same descriptor, so the frontend's
+    `--fd` stays right), bound and not listening: it takes no connection until the next
+    frontend listens on it, as it starts serving. The old one goes (once its frontend is
+    gone), and the connections that waited in it are reset: they had landed on a dead or
+    frozen frontend, and a client that tries again lands on a live one; the kernel gives new
+    connections to the other frontends meanwhile, instead of to a queue that nobody reads
+    for the seconds a new frontend takes to start."""
+    fresh = socket.socket(sock.family)
+    try:
+        fresh.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        fresh.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        fresh.bind(sock.getsockname())
+        os.dup2(fresh.fileno(), sock.fileno(), inheritable=True)
+    finally:
+        fresh.close()
 
 
 def port_taken(host: str, port: int | None) -> str | None:
@@ -328,6 +437,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
     env = dict(os.environ)
     nats: EmbeddedNats | None = None
     children: list[Child] = []
+    prober: Prober | None = None
     ready = failed = False
     try:
         if not cfg.nats_url:
@@ -382,13 +492,18 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
         elif not stop:  # (a stop during start-up is no failure)
             print(f"duplexbus did not become ready; see the logs in {log_dir}", flush=True)
             failed = stop = True
+        prober = Prober(children, opts.health_host, cfg.liveness_s, opts.ready_timeout)
+        exited = _frontend_exits(listeners) if len(listeners) > 1 else None
         while not stop:
             now = time.monotonic()
             if nats is not None:
                 nats.tend(now)
-            tend(children, env, log_dir, now)
+            prober.tend(children, now)
+            tend(children, env, log_dir, now, exited)
             time.sleep(POLL_S)
     finally:
+        if prober is not None:
+            prober.close()
         stop_all(children, opts.stop_timeout)
         for s in listeners:
             s.close()
@@ -397,6 +512,20 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             (opts.run_dir / NATS_URL_FILE).unlink(missing_ok=True)
         print("stopped", flush=True)
     return 1 if failed else 0
+
+
+def _frontend_exits(listeners: list[socket.socket]) -> Callable[[Child], None]:
+    """What the loop does as a frontend's exit is noticed: the frontend's socket renewed, so
+    that no new connection waits on it while the next one starts (the others take them)."""
+    by_fd = {s.fileno(): s for s in listeners}
+
+    def exited(c: Child) -> None:
+        if "--fd" in c.argv:
+            sock = by_fd.get(int(c.argv[c.argv.index("--fd") + 1]))
+            if sock is not None:
+                renew(sock)
+
+    return exited
 
 
 def stop_all(children: list[Child], timeout: float) -> None:

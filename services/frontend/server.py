@@ -14,7 +14,9 @@ the app leaves the bus within `service.LEAVE_S`, and whatever still holds the pr
 the bound is cut short. A second signal stops it at once.
 
 `serve` wires the frontend's app and its protocol classes into that server: what
-`duplexbus frontend` runs once it has parsed its flags.
+`duplexbus frontend` runs once it has parsed its flags. With a `health_port` it also answers
+/livez and /readyz there, on `health_host`: `duplexbus up` runs its frontends on one shared
+port, where one frontend's /livez cannot be told from another's, and probes each there.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from services.frontend.exposure import warn_if_open
 from services.frontend.http import FrontendHttpProtocol
 from services.frontend.websocket import DRAIN, FrontendWebSocketProtocol
 from shared.runtime.config import ServingConfig
+from shared.runtime.health import HealthServer
 from shared.runtime.process import STOP_GRACE_S, exit_after, stop_bound_s, tune_gc
 
 
-def serve(cfg: ServingConfig, host: str, port: int, fd: int | None = None) -> None:
+def serve(cfg: ServingConfig, host: str, port: int, fd: int | None = None, health_port: int | None = None) -> None:
     """Serve the frontend on host:port until a stop signal, or (`fd`) accept on a listening
     socket inherited from `duplexbus up`, which every frontend of it accepts on."""
     if fd is not None:
@@ -59,7 +62,11 @@ def serve(cfg: ServingConfig, host: str, port: int, fd: int | None = None) -> No
         ws_ping_interval=20,
     )
     sockets = [socket.socket(fileno=fd)] if fd is not None else None
-    FrontendServer(config, cfg.shutdown_drain_s, cfg.shutdown_unlist_s).run(sockets=sockets)
+    server = FrontendServer(config, cfg.shutdown_drain_s, cfg.shutdown_unlist_s)
+    if health_port is not None:
+        readiness = app.state.service.readiness
+        server.health = HealthServer(None, readiness, host=cfg.health_host, port=health_port, live=readiness.live)
+    server.run(sockets=sockets)
 
 
 class FrontendServer(uvicorn.Server):
@@ -72,6 +79,12 @@ class FrontendServer(uvicorn.Server):
         # The first stop signal, and when: uvicorn is told of it `unlist_s` later (`on_tick`).
         self._signalled: tuple[int, FrameType | None, float] | None = None
         self._drain_started = False
+        self.health: HealthServer | None = None  # /livez and /readyz on a port of their own
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.health is not None:
+            await self.health.start()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """The stop signal (in the main thread, between two steps of the loop): the drain
@@ -97,6 +110,8 @@ class FrontendServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         _start_drain(self)  # (once: the service's drain is one however often it is asked for)
         await super().shutdown(sockets)
+        if self.health is not None:  # answered until here: a draining frontend is alive
+            await self.health.close()
         # The hard stop stays armed (a daemon thread: it does not hold up the exit): what is
         # left, the loop's own shutdown, waits on threads that may be stuck.
 

@@ -25,4 +25,5 @@ def frozen(pid: int) -> Iterator[None]:
         until_sync(lambda: state(pid) in ("T", "t"), 5.0, f"process {pid} stopped", interval=0.005)
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # killed while frozen: nothing to thaw
+            os.kill(pid, signal.SIGCONT)
