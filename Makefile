@@ -13,10 +13,14 @@ ARGS ?=
 # pip, from the same constraints, in about 17 s where pip took 100 s in a fresh clone. pip's
 # find-links (a machine's own wheels: torch's CPU build here, PIP_FIND_LINKS) are uv's too.
 UV_VERSION := 0.13.9
-UV := $(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt $(foreach f,$(PIP_FIND_LINKS),--find-links $(f))
+UV_BIN := $(VENV)/bin/uv
+UV := $(UV_BIN) pip install -q --python $(PY) -c constraints.txt $(foreach f,$(PIP_FIND_LINKS),--find-links $(f))
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
+
+# Its own target: a venv made before the installs went through uv gets it too.
+$(UV_BIN): | $(PY)
 	$(PY) -m pip install -q uv==$(UV_VERSION)
 
 # Reinstall only when the dependencies change (a second `make up` starts in seconds). Every
@@ -25,7 +29,7 @@ $(PY):
 # point (`--model reverse`) is there for the suite. It is built with the venv's setuptools,
 # constraints.txt's version (a venv of Python 3.12 or later has none of its own), not in an
 # isolated build environment that would fetch one.
-$(STAMP): pyproject.toml constraints.txt examples/reverse_model/pyproject.toml | $(PY)
+$(STAMP): pyproject.toml constraints.txt examples/reverse_model/pyproject.toml | $(UV_BIN)
 	$(UV) torch==2.13.0 -e '.[models,dev,eval]' setuptools
 	$(UV) --no-deps --no-build-isolation -e examples/reverse_model
 	touch $(STAMP)
@@ -41,13 +45,11 @@ system-deps:
 	@bash scripts/system-deps.sh
 
 # -rs: a skipped test says why in one line (a compose test with no engine to run on, a
-# browser test with no chromium), never silently. Two runs: the modules that are not heavy
-# spread over two workers, a module to a worker (its stack booted once); then the heavy ones
-# (tests/conftest.py HEAVY) alone, one at a time. A run that ARGS leaves no test after the
-# split is no failure (tests/conftest.py).
-test: $(STAMP) system-deps lint typecheck
-	$(PY) -m pytest -q -rs --durations=15 -n 2 --dist loadfile -m "not heavy" $(ARGS)
-	$(PY) -m pytest -q -rs --durations=15 -m heavy $(ARGS)
+# browser test with no chromium), never silently. scripts/test.sh runs ruff and mypy beside the
+# modules that are not heavy (two xdist workers), then the heavy ones (tests/conftest.py) in two
+# lanes side by side. A run that ARGS leaves no test after the split is no failure.
+test: $(STAMP) system-deps
+	PY=$(PY) bash scripts/test.sh $(ARGS)
 
 # No nats-server, no process (the tests tests/support/tiers.py leaves unmarked), nothing marked
 # slow; the five slowest are listed, so a slow newcomer is seen.

@@ -41,30 +41,38 @@ async def ws(stack: Stack) -> AsyncIterator[WS]:
 
 
 # Modules that keep the cores busy by themselves (real models decoding in real time, twenty
-# uploads at full speed, image builds, a browser) or whose bounds are times that another
-# test's load would stretch: `make test` runs them after the rest, alone and one at a time,
-# while the rest is spread over two xdist workers, a module to a worker (--dist loadfile,
-# so a module's stack is booted once).
-HEAVY = frozenset(
+# uploads at full speed, a browser) or whose bounds are times that another test's load would
+# stretch. `make test` (scripts/test.sh) runs them after the rest, in two lanes side by side,
+# each one module at a time: HEAVY_CPU, the ones that take about a core each, beside
+# HEAVY_TIMED, the ones bounded by real time that take a fraction of one (measured with
+# /usr/bin/time, user+sys over wall: 0.3 to 0.65, docs/testing.md). So no two CPU-bound modules
+# ever run together, and a time-bound one always has a core's room beside the other lane.
+HEAVY_CPU = frozenset(
     {
         "test_browser",
+        "test_eval_voice",
+        "test_fast_clients",
+        "test_frontend_fuzz",
+        "test_realtime_voice",
+        "test_voice_assistant",
+        "test_voice_e2e",
+    }
+)
+HEAVY_TIMED = frozenset(
+    {
         "test_cluster",
         "test_compose",
         "test_conductor_faults",
         "test_conductor_liveness",
         "test_container_cleanup",
         "test_container_nats",
-        "test_eval_voice",
-        "test_fast_clients",
-        "test_frontend_fuzz",
         "test_frontend_limits",
         "test_make_up",
-        "test_realtime_voice",
+        "test_nats_pause",
         "test_retention",
-        "test_voice_assistant",
-        "test_voice_e2e",
     }
 )
+HEAVY = HEAVY_CPU | HEAVY_TIMED
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -72,6 +80,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.stem in HEAVY:
             item.add_marker(pytest.mark.heavy)
+        if item.path.stem in HEAVY_TIMED:
+            item.add_marker(pytest.mark.heavy_timed)
 
 
 @pytest.fixture(autouse=True)
@@ -80,11 +90,12 @@ def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: py
         tiers.forbid_processes(monkeypatch, request.node.nodeid)
 
 
-SPLIT = frozenset({"heavy", "not heavy"})  # the two runs of `make test`
+# The runs of `make test` (scripts/test.sh): the rest, then the two heavy lanes.
+SPLIT = frozenset({"not heavy", "heavy and not heavy_timed", "heavy_timed"})
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """`make test ARGS=tests/test_x.py`: one of its two runs finds every test ARGS selects on
-    the other side of the split, and says "no tests ran"; that run is not a failure."""
+    """`make test ARGS=tests/test_x.py`: the runs that find none of the tests ARGS selects (they
+    are in another run of the split) say "no tests ran"; such a run is not a failure."""
     if session.config.getoption("markexpr") in SPLIT and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.OK
