@@ -35,7 +35,9 @@ BASE_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-backg
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    async with running_stack(nats_url, {"model": "echo"}) as s:
+    # duplexbus.test: the name the insecure-origin test reaches the server under, allowed (a
+    # loopback frontend without tokens takes no other Host: services/frontend/hosts.py).
+    async with running_stack(nats_url, {"model": "echo", "auth": {"allowed_hosts": ["duplexbus.test"]}}) as s:
         yield s
 
 

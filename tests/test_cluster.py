@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,31 +32,16 @@ from shared.runtime.errors import BusTimeout, BusUnavailable
 from tests.support.bus import call_records
 from tests.support.calls import EchoCall, stream_for
 from tests.support.stack import Stack
+from tests.support.stack import cluster_stack as stack_on_cluster
 
 CONFIG: dict[str, Any] = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0, "retention": {"replicas": 3}}
 CALLS = 6
 
 
-@contextlib.asynccontextmanager
-async def cluster_stack() -> AsyncIterator[tuple[NatsCluster, Stack]]:
-    with tempfile.TemporaryDirectory(prefix="duplexbus-cluster-") as store, NatsCluster(store) as cluster:
-        a, b, c = (n.url for n in cluster.nodes)
-        stack = Stack(a, CONFIG)
-        try:
-            await stack.reset_bus()
-            for name, url in (("conductor", c), ("worker-b", b), ("worker-c", c), ("frontend-0", a)):
-                stack.env["NATS_URL"] = url
-                if name == "conductor":
-                    stack.start_conductor()
-                elif name.startswith("worker"):
-                    stack.start_worker(name)
-                else:
-                    stack.start_frontend(name)
-            await stack.wait_ready(stack.ports[0])
-            await stack.wait_workers(2)
-            yield cluster, stack
-        finally:
-            stack.stop()
+def cluster_stack() -> contextlib.AbstractAsyncContextManager[tuple[NatsCluster, Stack]]:
+    """The conductor on node c, workers on b and c, the frontend on a."""
+    placement = {"conductor": 2, "worker-b": 1, "worker-c": 2, "frontend-0": 0}
+    return stack_on_cluster(CONFIG, placement, "duplexbus-cluster-")
 
 
 async def _open(stack: Stack, prefix: str, frames: int = 120) -> list[EchoCall]:

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
-from collections.abc import AsyncIterator
 
 from shared.bus.embedded import NatsCluster, NatsServer
 from tests.support import freeze
 from tests.support.bus import own_nats_server
 from tests.support.calls import EchoCall, stream_for
-from tests.support.stack import Stack
+from tests.support.stack import Stack, cluster_stack
 
 CONFIG = {"model": "echo", "heartbeat_s": 0.5, "liveness_s": 3.0}
 CALLS = 3
@@ -88,27 +86,10 @@ async def test_a_paused_server_2_8_and_12_s_under_live_calls() -> None:
             stack.stop()
 
 
-@contextlib.asynccontextmanager
-async def _cluster_stack() -> AsyncIterator[tuple[NatsCluster, Stack]]:
+def _cluster_stack() -> contextlib.AbstractAsyncContextManager[tuple[NatsCluster, Stack]]:
     """The conductor alone on node c; the workers on a and b, the frontend on a."""
-    with tempfile.TemporaryDirectory(prefix="duplexbus-pause-cluster-") as store, NatsCluster(store) as cluster:
-        a, b, c = (n.url for n in cluster.nodes)
-        stack = Stack(a, {**CONFIG, "retention": {"replicas": 3}})
-        try:
-            await stack.reset_bus()
-            for name, url in (("conductor", c), ("worker-a", a), ("worker-b", b), ("frontend-0", a)):
-                stack.env["NATS_URL"] = url
-                if name == "conductor":
-                    stack.start_conductor()
-                elif name.startswith("worker"):
-                    stack.start_worker(name)
-                else:
-                    stack.start_frontend(name)
-            await stack.wait_ready(stack.ports[0])
-            await stack.wait_workers(2)
-            yield cluster, stack
-        finally:
-            stack.stop()
+    placement = {"conductor": 2, "worker-a": 0, "worker-b": 1, "frontend-0": 0}
+    return cluster_stack({**CONFIG, "retention": {"replicas": 3}}, placement, "duplexbus-pause-cluster-")
 
 
 async def test_the_conductors_node_of_a_cluster_paused_8_s_under_live_calls() -> None:

@@ -145,6 +145,7 @@ CLOSE_FAILED_S = 2.0
 PING_INTERVAL_S = 1
 MAX_OUTSTANDING_PINGS = 4
 LINK_WATCH_S = 0.5  # how often the link is looked at (link.py): a dead read loop is found this soon
+ANNOUNCE_TIMEOUT_S = 5.0  # the round trip that makes an announcement's endpoints answer
 SET_UP_PAUSE_S = 0.5  # as often as a JetStream leader election is worth asking about
 
 
@@ -604,11 +605,15 @@ class BusConnection:
         endpoints: Mapping[str, tuple[str, Callable[[bytes], Awaitable[bytes]]]],
     ) -> Announcement:
         """Answer NATS service discovery (`$SRV.PING/INFO/STATS`, so `nats micro ls` lists this
-        process) with `endpoints`: endpoint name -> (subject, handler of a request's body)."""
+        process) with `endpoints`: endpoint name -> (subject, handler of a request's body).
+        Once it returns, the endpoints answer: the round trip has the server take their
+        subscriptions first (a request from another connection that reached the server before
+        them found no responder, seen once in a full run)."""
         with mapped(f"announcing {name}", self._denials):
             svc = await micro.add_service(self._nc, name=name, version=version, description=description, metadata=metadata)
             for ep, (subject, handler) in endpoints.items():
                 await svc.add_endpoint(name=ep, subject=subject, handler=_micro_handler(handler))
+        await self.round_trip(ANNOUNCE_TIMEOUT_S)
         return Announcement(svc)
 
     # -- retention -------------------------------------------------------------

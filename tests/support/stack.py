@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from duplexbus.supervisor import saved_nats_url
-from shared.bus.embedded import free_port
+from shared.bus.embedded import NatsCluster, free_port
 from tests.support import bus
 
 
@@ -213,6 +213,33 @@ async def running_stack(
         yield s
     finally:
         s.stop()
+
+
+@contextlib.asynccontextmanager
+async def cluster_stack(
+    config: dict[str, Any], placement: dict[str, int], prefix: str
+) -> AsyncIterator[tuple[NatsCluster, Stack]]:
+    """A stack on a 3-node NatsCluster of its own, each process connected to the node that
+    `placement` gives it (name -> node index; names start with conductor, worker or frontend),
+    started in that order; stopped afterwards with the cluster."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as store, NatsCluster(store) as cluster:
+        urls = [n.url for n in cluster.nodes]
+        stack = Stack(urls[0], config)
+        try:
+            await stack.reset_bus()
+            for name, node in placement.items():
+                stack.env["NATS_URL"] = urls[node]
+                if name.startswith("conductor"):
+                    stack.start_conductor()
+                elif name.startswith("worker"):
+                    stack.start_worker(name)
+                else:
+                    stack.start_frontend(name)
+            await stack.wait_ready(stack.ports[0])
+            await stack.wait_workers(sum(name.startswith("worker") for name in placement))
+            yield cluster, stack
+        finally:
+            stack.stop()
 
 
 def _ready_pid(url: str) -> int | None:
