@@ -31,12 +31,18 @@ def test_make_test_says_why_a_test_was_skipped(tmp_path: Path, target: str) -> N
     """A skip (the compose test with no engine, say) shows its reason in one line, not only a count."""
     skipped = tmp_path / "test_skipped.py"
     skipped.write_text('import pytest\n\n\ndef test_it() -> None:\n    pytest.skip("no engine here: the reason")\n')
-    # The pytest line `make` would run, with the suite swapped for the one skipping file.
+    # The pytest line `make` would run, with the suite swapped for the one skipping file. `make
+    # test` runs scripts/test.sh, whose every pytest run takes the options of its `pytest` function.
     plan = subprocess.run(["make", "-n", "-s", target, f"ARGS={skipped}"], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert plan.returncode == 0, plan.stderr
-    line = next(x for x in plan.stdout.splitlines() if " -m pytest " in x)
-    argv = shlex.split(line)
-    argv[0] = sys.executable
+    if target == "test":
+        assert any(x.endswith(f"bash scripts/test.sh {skipped}") for x in plan.stdout.splitlines()), plan.stdout
+        script = (REPO / "scripts" / "test.sh").read_text().splitlines()
+        body = next(x for x in script if x.startswith("pytest() {")).removeprefix("pytest() {").removesuffix("; }")
+        argv = [sys.executable if a == "$PY" else a for a in shlex.split(body) if a != "$@"] + [str(skipped)]
+    else:
+        argv = shlex.split(next(x for x in plan.stdout.splitlines() if " -m pytest " in x))
+        argv[0] = sys.executable
     ran = subprocess.run(
         [*argv, "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
