@@ -6,7 +6,9 @@
 #   2. the heavy modules in two lanes side by side, one module at a time in each: the CPU-bound
 #      ones (tests/conftest.py HEAVY_CPU), and the ones bounded by real time (HEAVY_TIMED),
 #      then ruff and mypy: that lane ends about 90 s before the other, so the lint takes a core
-#      left idle instead of adding its minute (beside step 1 it stretched step 1 by as much).
+#      left idle instead of adding its minute (beside step 1 it stretched step 1 by as much);
+#   3. the heavy modules that need the machine to themselves (HEAVY_ALONE: the browser's real-time
+#      conversation), alone.
 # A lane's output is printed whole when it ends (two lanes interleaved line by line could not be
 # read). Every run runs even after a failure, so one CI run shows every failure; the exit status
 # is the first failure's. Arguments go to every pytest run (`make test ARGS=tests/test_x.py`).
@@ -34,8 +36,11 @@ echo "== the heavy modules, two lanes: bounded by real time, then the lint (prin
   exit "$lane"
 ) >"$logs/timed" 2>&1 &
 timed=$!
-pytest -m "heavy and not heavy_timed" "$@" || failed $?
+pytest -m "heavy and not heavy_timed and not heavy_alone" "$@" || failed $?
 wait "$timed" || failed $?
 echo "== the heavy modules bounded by real time"
 cat "$logs/timed"
+
+echo "== the heavy modules that need the machine to themselves (tests/conftest.py HEAVY_ALONE)"
+pytest -m heavy_alone "$@" || failed $?
 exit "$status"

@@ -6,14 +6,13 @@ once for one of twenty 3-minute uploads at once on a busy 2-core machine."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import pytest
 
 from shared.bus import subjects
 from shared.runtime.errors import BusTimeout
 from tests.support.bus import bus_client, own_nats_server
+from tests.support.freeze import frozen
 
 
 async def test_a_late_ack_is_asked_for_again_and_the_message_is_stored_once() -> None:
@@ -21,13 +20,12 @@ async def test_a_late_ack_is_asked_for_again_and_the_message_is_stored_once() ->
         assert server.proc is not None
         async with bus_client(server.url, "patience") as bus:
             subject = subjects.eoi("c-patient", "audio_in")
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            try:
+            # frozen: returns once the kernel has stopped the server (the kill's return alone
+            # does not say it; a publish sent before that could be answered: once in a full run).
+            with frozen(server.proc.pid):
                 store = asyncio.create_task(bus.store_once(subject, b'{"total":3}', patience_s=30.0))
                 await asyncio.sleep(6.5)  # past JetStream's 5 s publish wait
                 assert not store.done(), store
-            finally:
-                os.kill(server.proc.pid, signal.SIGCONT)
             await asyncio.wait_for(store, 30)
             stored = [body async for _, body, _ in bus.read_stored([subject])]
             assert stored == [b'{"total":3}']  # the repeat was dropped by its Nats-Msg-Id
@@ -37,10 +35,7 @@ async def test_without_patience_the_timeout_is_raised() -> None:
     with own_nats_server("duplexbus-impatience-") as server:
         assert server.proc is not None
         async with bus_client(server.url, "impatience") as bus:
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            try:
+            with frozen(server.proc.pid):
                 store = asyncio.create_task(bus.store_once(subjects.eoi("c-impatient", "audio_in"), b"{}"))
                 with pytest.raises(BusTimeout):
                     await asyncio.wait_for(store, 20)
-            finally:
-                os.kill(server.proc.pid, signal.SIGCONT)
