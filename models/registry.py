@@ -4,7 +4,10 @@
 1. a built-in (`MODELS`);
 2. an entry point of an installed package in the group `duplexbus.models`, e.g. in its
    pyproject.toml `[project.entry-points."duplexbus.models"] reverse = "reverse_model:ReverseModel"`;
-3. a path `module:Class` (a dotted module on sys.path, a class in it): the class itself.
+3. a path `module:Class` (a dotted module on sys.path or in the current folder, a class in
+   it): the class itself. The current folder is looked in as uvicorn does for `module:app`:
+   `duplexbus` is a console script, whose sys.path has no current folder of its own, so
+   `--model my_model:MyModel` beside my_model.py would otherwise not be found.
 
 A model found by name must carry that name (`Model.name`): the name is what goes on the wire
 (the call's `Open.model`, the worker's heartbeat), so a frontend that found a model by name
@@ -22,7 +25,9 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import os
 import re
+import sys
 
 from shared.runtime.errors import BadRequest, ConfigError
 from shared.sdk.model import Model
@@ -68,6 +73,8 @@ def model_class(spec: str, paths: bool = True) -> type[Model]:
     if spec in eps:
         return _named(spec, eps[spec], f"entry point of {ENTRY_POINT_GROUP}")
     if paths and is_path(spec):
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         return _unshadowed(_load(spec, spec), eps)
     also = "; or a path module:Class" if paths else ""
     raise BadRequest(f"unknown model {spec!r} ({known()}{also})")

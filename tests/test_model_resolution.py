@@ -106,6 +106,19 @@ def test_a_path_loads_the_class_directly(write: Write) -> None:
     assert registry.model_class(f"{mod}:M") is sys.modules[mod].M
 
 
+def test_a_path_is_found_in_the_current_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a new user runs it: `duplexbus up --model my_model:M` beside my_model.py (a console
+    script's sys.path has no current folder)."""
+    name = f"tmp_model_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(MODEL.format(name="here"))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert registry.model_class(f"{name}:M").name == "here"
+    finally:
+        sys.modules.pop(name, None)
+
+
 def test_a_model_served_by_path_is_found_by_its_path_and_its_name(write: Write) -> None:
     mod = write(MODEL.format(name="by_path"))
     served = registry.served_model(f"{mod}:M")
