@@ -3,10 +3,11 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
-from tests.support import tiers
+from tests.support import leaks, tiers
 from tests.support.bus import own_nats_server
 from tests.support.client import WS
 from tests.support.stack import Stack
@@ -20,6 +21,15 @@ def nats_url() -> Iterator[str]:
         return
     with own_nats_server("duplexbus-nats-") as server:
         yield server.url
+
+
+@pytest.fixture(scope="module", autouse=True)
+async def _nats_clients_closed_with_their_module(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """Autouse, so set up first and torn down last: after the module's own fixtures."""
+    leaks.record_connects()
+    start = leaks.mark()
+    yield
+    await leaks.close_since(start, request.module.__name__)
 
 
 @pytest.fixture
@@ -100,8 +110,22 @@ def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: py
 SPLIT = frozenset({"not heavy", "heavy and not heavy_timed and not heavy_alone", "heavy_timed", "heavy_alone"})
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if leaks.left_open:
+        named = ", ".join(f"{m} ({n})" for m, n in sorted(leaks.left_open.items()))
+        terminalreporter.write_line(f"NATS clients left open, closed when their module ended: {named}")
+
+
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """xdist: a worker's leftovers, gathered on the controller, which prints the summary."""
+    for m, n in getattr(node, "workeroutput", {}).get("nats_left_open", {}).items():
+        leaks.left_open[m] = leaks.left_open.get(m, 0) + n
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """`make test ARGS=tests/test_x.py`: the runs that find none of the tests ARGS selects (they
     are in another run of the split) say "no tests ran"; such a run is not a failure."""
+    if hasattr(session.config, "workeroutput"):  # an xdist worker
+        session.config.workeroutput["nats_left_open"] = dict(leaks.left_open)
     if session.config.getoption("markexpr") in SPLIT and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.OK

@@ -40,9 +40,11 @@ async def test_an_outage_of_the_consumer_is_logged_once_and_fetching_goes_on(cap
     finally:
         consume.cancel()
         await asyncio.gather(consume, return_exceptions=True)
-    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # The conductor's own lines: the suite shares a loop, where another module's client may log.
+    mine = [r for r in caplog.records if r.name.startswith("services.conductor")]
+    warned = [r.getMessage() for r in mine if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "connection closed" in warned[0], warned  # not one a try
-    ended = [r.getMessage() for r in caplog.records if "works again" in r.getMessage()]
+    ended = [r.getMessage() for r in mine if "works again" in r.getMessage()]
     assert len(ended) == 1 and "(4 failed tries)" in ended[0], ended
 
 
