@@ -1,12 +1,12 @@
 """Fuzzing `/generate/ws` and `POST /generate` (issue 11) with live calls alongside.
 
 Hypothesis makes client messages: any JSON value, objects with the protocol's fields
-holding anything, valid openings and appends among them, bytes that are not UTF-8 or not
-JSON, nesting thousands deep. Each example runs on a socket of its own (and a POST of its
-own). Every reply must say what was wrong with a status under 500, the socket must stay
-open (or close with the code its rule gives: 1009 for a frame too large to read), no
-process may exit, and three live calls that run all along, on sockets of their own, must
-get back every frame byte-exact. Bounded: a fixed number of examples, no shrinking
+holding anything, valid openings and appends among them, the same in msgpack (binary
+frames), bytes that are not UTF-8 or not msgpack, nesting thousands deep. Each example runs
+on a socket of its own (and a POST of its own). Every reply must say what was wrong with a
+status under 500, the socket must stay open (or close with the code its rule gives: 1009
+for a frame too large to read), no process may exit, and three live calls that run all
+along, on sockets of their own, must get back every frame byte-exact. Bounded: a fixed number of examples, no shrinking
 database on disk.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -87,11 +88,31 @@ fields = {
 }
 protocol_object = st.fixed_dictionaries({}, optional=fields)
 valid_append = st.builds(lambda f: {"request_id": "fz", "append": [{"name": "a.pcm", "data": f}]}, pcm)
+packed_append = st.builds(lambda f: {"request_id": "fz", "append": [{"name": "a.pcm", "data": f}]}, st.binary(max_size=4000))
+
+
+def packed(value: object) -> bytes:
+    """The value in msgpack (an integer msgpack cannot hold: a byte msgpack never uses)."""
+    try:
+        return msgspec.msgpack.encode(value)
+    except OverflowError:
+        return b"\xc1"
+
+
+def reply(frame: str | bytes) -> dict[str, Any]:
+    """A reply: JSON text, or msgpack in a binary frame."""
+    m: dict[str, Any] = msgspec.msgpack.decode(frame) if isinstance(frame, bytes) else json.loads(frame)
+    return m
+
+
 message: st.SearchStrategy[str | bytes] = st.one_of(
     protocol_object.map(json.dumps),
     valid_append.map(json.dumps),
     json_value.map(json.dumps),
-    st.binary(max_size=64),  # a binary frame: read as UTF-8 JSON
+    protocol_object.map(packed),
+    packed_append.map(packed),
+    json_value.map(packed),
+    st.binary(max_size=64),  # a binary frame: msgpack (or JSON, where it starts with "{")
     st.text(max_size=64),
     st.integers(1, 20_000).map(lambda n: "[" * n),
     st.integers(1, 3000).map(lambda n: '{"request_id": "fz", "append": ' + '{"a": ' * n),
@@ -167,7 +188,7 @@ def test_fuzzed_socket_messages_get_4xx_replies_and_the_socket_goes_on(stack: St
                 probe = f"probe-{i}"
                 ws.send(json.dumps({"request_id": probe, "abort": True}))  # its reply marks the end of frame's
                 while True:
-                    m = json.loads(ws.recv(timeout=15))
+                    m = reply(ws.recv(timeout=15))
                     assert all(s < 500 for s in statuses(m)), (frame[:200], m)
                     if m.get("request_id") == probe:
                         assert m["status"] == 404, m

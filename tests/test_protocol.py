@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from models.echo import FRAME
-from shared.bus import subjects
+from shared.bus import subjects, wire
 from tests.support.audio import echo_bytes, padded, pcm, pcm_file, wav_bytes
-from tests.support.client import WS, nothing_for
+from tests.support.bus import bus_client
+from tests.support.client import WS, PackedMessage, nothing_for
 from tests.support.stack import Stack, running_stack
 
 MAX_MESSAGE_MB = 0.5
@@ -325,7 +326,8 @@ async def test_malformed_messages_get_a_clear_error_and_the_socket_goes_on(ws: W
     await live_call(ws, "keep", x)
     cases: list[tuple[str | bytes, str | None, bool, str]] = [
         ("not json", None, False, "not JSON"),
-        (b"\xff\xfe", None, False, "not JSON"),
+        (b"\xff\xfe", None, False, "not msgpack"),  # a binary frame is msgpack
+        (b'{"request_id": 5', None, False, "not JSON"),  # unless it starts as JSON does
         ("[1, 2]", None, False, "JSON object"),
         ('{"request_id": 5}', None, False, "request_id must be a string"),
         ('{"request_id": "m1", "text": 5}', "m1", False, "text must be a string"),
@@ -386,6 +388,33 @@ async def test_frame_far_over_max_message_mb_closes_the_socket(stack: Stack) -> 
     with pytest.raises(websockets.ConnectionClosed) as e:
         await sock.recv(timeout=10)
     assert e.value.rcvd is None or e.value.rcvd.code == 1009
+
+
+# -- binary frames -----------------------------------------------------------------
+async def test_binary_frames_beside_json_on_one_socket(stack: Stack, ws: WS) -> None:
+    """A call opened in msgpack gets every message back in msgpack, its audio as bytes, and a
+    JSON call on the same socket JSON, whichever encoding their later messages use; the worker
+    published the msgpack call's outputs packed (the frontend relays them as they come). A
+    malformed binary message gets the JSON refusal, in msgpack."""
+    x, y = samples(3000, seed=40), samples(2000, seed=41)
+    await ws.send_packed({"request_id": "bin-mp"})
+    await ws.send({"request_id": "bin-js"})
+    await ws.send_packed({"request_id": "bin-mp", "append": [{"name": "a.pcm", "data": x.tobytes()}]})
+    await ws.send_packed({"request_id": "bin-js", "append": [{"name": "a.pcm", "data": y.tobytes()}]})
+    await ws.send_packed({"request_id": "bin-none", "append": [{"name": "a.pcm", "data": pcm(x)}]})
+    refused = await ws.until(is_append_error("bin-none", 400))
+    assert isinstance(refused, PackedMessage) and "data must be bytes (msgpack bin), got base64 text" in refused["error"]
+    await ws.send({"request_id": "bin-mp", "end_input": True})
+    await ws.send_packed({"request_id": "bin-js", "end_input": True})
+    mp, js = await ws.final("bin-mp"), await ws.final("bin-js")
+    assert isinstance(mp, PackedMessage) and "finish" in mp, mp
+    assert not isinstance(js, PackedMessage) and "finish" in js, js
+    mp_out, js_out = ws.outputs("bin-mp"), ws.outputs("bin-js")
+    assert all(isinstance(o["audio"], bytes) for o in mp_out) and all(isinstance(o["audio"], str) for o in js_out)
+    assert echo_bytes(mp_out) == padded(x) and echo_bytes(js_out) == padded(y)
+    async with bus_client(stack.nats_url, "test-binary-frames") as bus:
+        stored = [wire.decode_as(b, wire.OutputMsg) async for _, b, _ in bus.read_stored([subjects.out(mp["finish"]["call_id"])])]
+    assert len(stored) == len(mp_out) and all(o.packed for o in stored)
 
 
 # -- limits ----------------------------------------------------------------------

@@ -209,6 +209,7 @@ class Call:
     frontend_beat: int = 0  # the open's: the frontend's heartbeats numbered above it list the call while it holds it
     unheld: int = 0  # its frontend's listed heartbeats in a row, since it took the call, that left it out
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
+    binary: bool = False  # its client reads msgpack: its workers publish its outputs packed
     # Workers that refused this placement as busy (draining, full): not asked again until the
     # call is placed, so a placement asks each worker at most once. Not saved: a restored
     # call is taken as placed.
@@ -231,6 +232,7 @@ class Call:
             frontend_beat=r.frontend_beat,
             model_kwargs=dict(r.model_kwargs),
             kwargs_in_open=r.kwargs_in_open,
+            binary=r.binary,
             partitions=list(r.partitions),
             open_streams=set(r.open_streams),
             state=CallState(r.state),
@@ -252,6 +254,7 @@ class Call:
             frontend_beat=self.frontend_beat,
             model_kwargs={} if self.kwargs_in_open else self.model_kwargs,
             kwargs_in_open=self.kwargs_in_open,
+            binary=self.binary,
             partitions=list(self.partitions),
             open_streams=sorted(self.open_streams),
             placement=dict(self.placement),
@@ -373,6 +376,7 @@ class Conductor:
             partitions=list(self.partitions_of.get(m.model, [])),  # known once a worker of the model is seen
             open_streams=set(m.open_streams),
             frontend_beat=m.frontend_beat,
+            binary=m.binary,
         )
         early = self.ended.get(m.cid)
         if early is not None:  # its abort was read first: the abort wins, the call is never placed
@@ -452,6 +456,7 @@ class Conductor:
                         partitions=parts,
                         model_kwargs={} if call.kwargs_in_open else call.model_kwargs,
                         kwargs_in_open=call.kwargs_in_open,
+                        binary=call.binary,
                     ),
                 )
             )

@@ -28,7 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from services.frontend.auth import Access, Grant
 from services.frontend.hosts import HostRule
 from services.frontend.limits import Guard, Limits, Load, Shed
-from services.frontend.outbox import Outbox, Outlet, to_json
+from services.frontend.outbox import Outbox, Outlet, Packed, to_json
 from services.frontend.protocol import Opening, ParseError, parse_message
 from services.frontend.realtime.endpoint import RealtimeHub
 from services.frontend.relayed_call import RelayedCall
@@ -420,7 +420,7 @@ async def _read_all(ws: WebSocket, session: SocketSession) -> None:
                 return
             data = message.get("text")
             if data is None:
-                data = message.get("bytes") or b""  # a binary frame: parsed as UTF-8 JSON all the same
+                data = message.get("bytes") or b""  # a binary frame: msgpack (`protocol.parse_frame`)
             await session.handle(data)
     except WebSocketDisconnect:
         pass
@@ -429,7 +429,10 @@ async def _read_all(ws: WebSocket, session: SocketSession) -> None:
 async def _write_all(ws: WebSocket, outbox: Outbox) -> None:
     """The send path under an ASGI server other than the frontend's own."""
     while (msg := await outbox.get()) is not None and not outbox.overflowed:
-        await ws.send_text(to_json(msg).decode())
+        if isinstance(msg, Packed):
+            await ws.send_bytes(msg.data)
+        else:
+            await ws.send_text(to_json(msg).decode())
 
 
 def _as_outlet(ext: Any) -> Outlet | None:

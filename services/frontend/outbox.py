@@ -9,16 +9,37 @@ from typing import Any, Protocol
 
 import msgspec
 
-Reply = dict[str, Any] | bytes
-"""A server -> client message: a dict, or one already serialized to JSON text (relayed
-outputs, which go from the bus to the client as bytes, never decoded)."""
+
+class Packed:
+    """A server -> client message in msgpack, for a binary frame (a call opened in msgpack)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data  # held, not copied: outputs are spliced once and sent as they are
+
+
+Reply = dict[str, Any] | bytes | Packed
+"""A server -> client message: a dict, or one already serialized, to JSON text (bytes) or
+to msgpack (`Packed`): relayed outputs, which go from the bus to the client never decoded."""
 
 MESSAGE_COST = 64  # bytes a queued message costs beyond its text
 
+_packer = msgspec.msgpack.Encoder()
+
+
+def pack(msg: dict[str, Any]) -> Packed:
+    """The message in msgpack: what a call opened in msgpack gets."""
+    return Packed(_packer.encode(msg))
+
 
 def to_json(msg: Reply) -> bytes:
-    """The message as JSON text, UTF-8."""
-    return msg if isinstance(msg, bytes) else msgspec.json.encode(msg)
+    """The message as JSON text, UTF-8 (a packed one's bytes as base64, as JSON carries them)."""
+    if isinstance(msg, bytes):
+        return msg
+    if isinstance(msg, Packed):
+        return msgspec.json.encode(msgspec.msgpack.decode(msg.data))
+    return msgspec.json.encode(msg)
 
 
 class Outlet(Protocol):
@@ -27,7 +48,8 @@ class Outlet(Protocol):
 
     on_room: Callable[[], None] | None  # set by the outbox: what waits drained (to half the bound)
 
-    def send_now(self, text: bytes) -> None: ...  # raises OSError where the connection is gone
+    # A text frame (UTF-8), or a binary one; raises OSError where the connection is gone.
+    def send_now(self, payload: bytes, binary: bool = False) -> None: ...
     def has_room(self) -> bool: ...
 
 
@@ -35,8 +57,11 @@ class _Function:
     """A plain function as an outlet that always has room (a test, a simple writer)."""
 
     def __init__(self, write: Callable[[bytes], None]) -> None:
-        self.send_now = write
+        self._write = write
         self.on_room: Callable[[], None] | None = None
+
+    def send_now(self, payload: bytes, binary: bool = False) -> None:
+        self._write(payload)
 
     def has_room(self) -> bool:
         return True
@@ -89,7 +114,10 @@ class Outbox:
             return
         if self._outlet is not None:
             try:
-                self._outlet.send_now(to_json(msg))
+                if isinstance(msg, Packed):
+                    self._outlet.send_now(msg.data, binary=True)
+                else:
+                    self._outlet.send_now(to_json(msg))
             except OSError:
                 pass  # the connection is gone (or was just dropped): its calls are being aborted
             return
@@ -153,4 +181,6 @@ def _size(msg: Reply) -> int:
     """What a queued message costs: its text, or an estimate for a dict not encoded yet."""
     if isinstance(msg, bytes):
         return len(msg) + MESSAGE_COST
+    if isinstance(msg, Packed):
+        return len(msg.data) + MESSAGE_COST
     return len(msgspec.json.encode(msg)) + MESSAGE_COST

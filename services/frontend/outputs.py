@@ -92,9 +92,10 @@ class Outputs:
         counts finishes the call."""
         try:
             o = wire.decode_as(body, wire.OutputMsg)
+            event = call.event_body(o)
         except DuplexError:
             return
-        relayed = call.relay.accept(o.partition, o.seq, o.json, time.monotonic())
+        relayed = call.relay.accept(o.partition, o.seq, event, time.monotonic())
         for out in relayed:
             call.relay_output(out)
         if relayed and o.sent_ns:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import msgspec
 
 from services.frontend.calls import CallInput
-from services.frontend.outbox import Reply
+from services.frontend.outbox import Packed, Reply, pack
 from services.frontend.relay import OutputRelay
 from shared.bus import wire
 from shared.bus.connection import BusSubscription
@@ -44,14 +44,36 @@ class RelayedCall:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     on_end: Callable[[RelayedCall], None] | None = None  # whoever opened it forgets it (a socket)
     opened: float = field(default_factory=time.monotonic)
+    binary: bool = False  # opened in msgpack: every message of the call goes back in msgpack
+    binary_fields: tuple[str, ...] = ()  # the model's (an output published in JSON is packed here)
 
     _output_prefix: bytes | None = None
 
     def reply(self, body: dict[str, Any]) -> None:
-        self.sink.send({"request_id": self.request_id, **body})
+        msg = {"request_id": self.request_id, **body}
+        self.sink.send(pack(msg) if self.binary else msg)
 
-    def relay_output(self, event_json: bytes) -> None:
-        """`{"request_id": ..., "output": EVENT}` spliced as JSON text: the event is never decoded here."""
+    def relay_output(self, event: bytes) -> None:
+        """`{"request_id": ..., "output": EVENT}` spliced, in the call's encoding (the event's
+        already, `wire.OutputMsg`): the event is never decoded here."""
         if self._output_prefix is None:
-            self._output_prefix = b'{"request_id":' + msgspec.json.encode(self.request_id) + b',"output":'
-        self.sink.send(b"".join((self._output_prefix, event_json, b"}")))
+            if self.binary:  # a map of two entries, the event its last value
+                self._output_prefix = (
+                    b"\x82" + _packer.encode("request_id") + _packer.encode(self.request_id) + _packer.encode("output")
+                )
+            else:
+                self._output_prefix = b'{"request_id":' + msgspec.json.encode(self.request_id) + b',"output":'
+        if self.binary:
+            self.sink.send(Packed(self._output_prefix + event))
+        else:
+            self.sink.send(b"".join((self._output_prefix, event, b"}")))
+
+    def event_body(self, o: wire.OutputMsg) -> bytes:
+        """The output's event in the call's encoding: as published, or converted where it was
+        published in the other (a worker of a release before 1.3)."""
+        if o.packed == self.binary:
+            return o.json
+        return wire.repack_event(o.json, self.binary_fields) if self.binary else wire.unpack_event(o.json)
+
+
+_packer = msgspec.msgpack.Encoder()

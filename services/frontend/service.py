@@ -269,7 +269,9 @@ class FrontendService:
                 revision = await self.rids.create(o.request_id, cid.encode())
             except KeyTaken:
                 raise Conflict(f"request_id {o.request_id!r} is already in use by a live call") from None
-        call = RelayedCall(cid, o.request_id, inp, sink, live, revision, on_end=on_end)
+        call = RelayedCall(
+            cid, o.request_id, inp, sink, live, revision, on_end=on_end, binary=o.binary, binary_fields=model.binary_fields
+        )
         beat = self.beats.taken()  # with no await before the call is held: later heartbeats list it
         self.calls[cid] = call
         try:
@@ -290,6 +292,7 @@ class FrontendService:
                         live=live,
                         request_id_revision=revision,
                         frontend_beat=beat,
+                        binary=o.binary,
                     )
                 ),
                 STORE_PATIENCE_S,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from services.frontend.calls import InputState
-from services.frontend.outbox import Outbox
+from services.frontend.outbox import Outbox, pack
 from services.frontend.protocol import (
     AbortCall,
     Append,
@@ -17,7 +17,7 @@ from services.frontend.protocol import (
     EndInput,
     Opening,
     ParseError,
-    parse_message,
+    parse_frame,
     valid_request_id,
 )
 from services.frontend.relayed_call import RelayedCall, Sink
@@ -90,8 +90,14 @@ class SocketSession:
         self._lane_moved = asyncio.Event()
         self.closed = False
 
-    def send(self, msg: dict[str, Any]) -> None:
-        self.outbox.send(msg)
+    def send(self, msg: dict[str, Any], binary: bool = False) -> None:
+        """A reply of the socket's own (not a call's), in JSON or (`binary`) msgpack; one
+        under the request_id of a live call of this socket goes in that call's encoding, as
+        all its messages do."""
+        call = self.live(msg.get("request_id"))
+        if call is not None:
+            binary = call.binary
+        self.outbox.send(pack(msg) if binary else msg)
 
     def live(self, rid: str | None) -> RelayedCall | None:
         return self.calls.get(rid) if rid is not None else None
@@ -109,16 +115,16 @@ class SocketSession:
         elif self.calls.get(call.request_id) is call:
             del self.calls[call.request_id]
 
-    def append_error(self, rid: str | None, err: DuplexError) -> None:
+    def append_error(self, rid: str | None, err: DuplexError, binary: bool = False) -> None:
         """The reply to an append, end_input or abort that was refused; no call ends by it."""
-        self.send(error_body(rid, err, append=True))
+        self.send(error_body(rid, err, append=True), binary)
 
     async def handle(self, data: str | bytes) -> None:
         """One client message. A plain append is handled at once; an opening, an end of input
         or an abort waits on round trips to the bus, so it runs in a lane of its call's own,
         and that call's later messages queue behind it, in order: one call's slow opening
         does not hold up the appends of the others on the socket."""
-        msg = parse_message(data, max_bytes=self.service.config.max_message_bytes)
+        msg = parse_frame(data, max_bytes=self.service.config.max_message_bytes)
         rid = msg.request_id
         # Backpressure: past either bound the socket reads no more until a lane moves on.
         while ((lane := self.lanes.get(rid)) is not None and len(lane) >= LANE_MAX) or (
@@ -159,14 +165,14 @@ class SocketSession:
             else:
                 await self._abort(msg)
         except DuplexError as e:
-            self.send(error_body(msg.request_id, e))
+            self.send(error_body(msg.request_id, e), msg.binary)
         except Exception:  # I-4: a bug here ends at most the call it concerns, never the socket
             log.exception("handling a %s failed", type(msg).__name__)
             call = None if isinstance(msg, Opening) else self.live(msg.request_id)
             if call is not None:
                 await self.service.abort(call, INTERNAL.message, INTERNAL.status, tell_client=True)
             else:
-                self.send(error_body(msg.request_id, INTERNAL))
+                self.send(error_body(msg.request_id, INTERNAL), msg.binary)
 
     async def _refused(self, p: ParseError) -> None:
         call = self.live(p.request_id) if valid_request_id(p.request_id) else None
@@ -174,7 +180,7 @@ class SocketSession:
             if call is not None:  # a malformed append is a rejected append: it ends the call
                 await self._reject_append(call, p.error)
             else:
-                self.append_error(p.request_id, p.error)
+                self.append_error(p.request_id, p.error, p.binary)
             return
         if p.kind == "opening" and call is not None:
             # An opening under a live request_id is a 409 whatever else is wrong with it: an
@@ -182,7 +188,7 @@ class SocketSession:
             err = Conflict(f"request_id {p.request_id!r} is already in use by a live call ({p.error.message})")
             self.send(error_body(p.request_id, err))
             return
-        self.send(error_body(p.request_id, p.error))
+        self.send(error_body(p.request_id, p.error), p.binary)
 
     async def _open(self, o: Opening) -> None:
         if self.live(o.request_id) is not None:
@@ -201,7 +207,7 @@ class SocketSession:
     async def _append(self, a: Append | EndInput) -> None:
         call = self.live(a.request_id)
         if call is None:
-            self.append_error(a.request_id, UnknownCall(NO_CALL))
+            self.append_error(a.request_id, UnknownCall(NO_CALL), a.binary)
             return
         if call.input.state is not InputState.OPEN:
             self.append_error(a.request_id, Conflict("the call's input has ended (end_input); the call goes on"))
@@ -217,7 +223,7 @@ class SocketSession:
     async def _abort(self, a: AbortCall) -> None:
         call = self.live(a.request_id)
         if call is None:
-            self.append_error(a.request_id, UnknownCall(NO_CALL))
+            self.append_error(a.request_id, UnknownCall(NO_CALL), a.binary)
         else:
             err = Aborted("aborted by the client")
             await self.service.abort(call, err.message, err.status, tell_client=True)

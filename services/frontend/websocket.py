@@ -47,7 +47,7 @@ INBOUND_BYTES = 4 * 1024 * 1024  # or this many bytes of them (at most one messa
 FRAGMENT_COST = 64  # bytes a fragment costs beyond its payload (its object): tiny fragments add up
 CLOSE_LINGER_S = 2.0  # after a close we send, how long what the client still sends is read and dropped
 LINGER_MAX_BYTES = 1024 * 1024  # or how much of it: past this the connection is dropped
-SEND_NOW = "duplexbus.send_now"  # ASGI scope extension: send a text message (UTF-8 bytes) without awaiting
+SEND_NOW = "duplexbus.send_now"  # ASGI scope extension: send a text message (UTF-8 bytes), or a binary one, without awaiting
 OUTLET = "duplexbus.outlet"  # ASGI scope extension: the connection itself (send_now, has_room, on_room, busy)
 DRAIN = "duplexbus.drain"  # lifespan state: starts (once) the app's drain, returns its task
 GUARD = "duplexbus.guard"  # lifespan state: the frontend's limits.Guard, for every connection
@@ -214,11 +214,11 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         self._flush()  # what was queued goes out before the reply to the client's close
         super().handle_close(event)
 
-    def send_now(self, text: bytes) -> None:
-        """Queue one text message (UTF-8) for the next write, without awaiting; raises
-        ClientDisconnected where the socket is gone, or is dropped now because its client is
-        not reading."""
-        self._send_frame(self.conn.send_text, text)
+    def send_now(self, payload: bytes, binary: bool = False) -> None:
+        """Queue one text message (UTF-8), or a binary one, for the next write, without
+        awaiting; raises ClientDisconnected where the socket is gone, or is dropped now
+        because its client is not reading."""
+        self._send_frame(self.conn.send_binary if binary else self.conn.send_text, payload)
 
     def backlog(self) -> int:
         """Bytes waiting for the client: queued for this turn's write, and in the transport."""

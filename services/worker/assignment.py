@@ -92,6 +92,7 @@ class Assignment:
             raise
         if call is None:
             call = await self.intake.open(a.cid)
+            call.binary = a.binary
         await self.intake.placed(call, mine)
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:

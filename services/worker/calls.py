@@ -24,6 +24,7 @@ BusOf = Callable[[], BusConnection]  # the service's connection, once it has ope
 class AssignedCall:
     cid: str
     partitions: list[str]
+    binary: bool = False  # its client reads msgpack: its outputs are published packed (wire.pack_event)
     subs: list[BusSubscription] = field(default_factory=list)  # its abort and fin
     inputs: dict[str, BusSubscription] = field(default_factory=dict)  # edge -> live input (none while paused)
     catchups: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # partition -> the read InputReads last started
@@ -69,6 +70,7 @@ class Context:
     bus_of: BusOf  # the service's connection, opened when it runs
     runners: dict[str, Runner]  # partition -> its engine
     metrics: WorkerMetrics
+    binary_fields: tuple[str, ...] = ()  # the model's (Model.binary_fields)
 
     @property
     def bus(self) -> BusConnection:

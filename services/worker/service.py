@@ -72,7 +72,7 @@ class WorkerService:
         bounds = Bounds(config.worker_call_buffer_bytes, config.worker_buffer_bytes)  # flow control
         # The intake hands what it takes to the stepper, which hands edges within this
         # process back to it: the one is built first, with the other's carry_out behind a method.
-        ctx = Context(self.worker_id, lambda: self.bus, self.runners, self.metrics)
+        ctx = Context(self.worker_id, lambda: self.bus, self.runners, self.metrics, self.model.binary_fields)
         self.intake = Intake(ctx, topo, bounds, self._carry_out)
         self.stepper = Stepper(ctx, self.intake, config.step_window_ms / 1000)
         self.assignment = Assignment(ctx, self.intake, lambda: self._accepting, lambda: self.capacity)

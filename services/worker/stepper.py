@@ -88,10 +88,19 @@ class Stepper:
         also handed to it at once (Intake.hand_over_item)."""
         for a in actions:
             if isinstance(a, eng.PublishOutput):
-                body = wire.encode(
-                    wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
-                )
-                await self.ctx.bus.publish(subjects.out(a.cid), body)
+                # In the encoding its client reads (the frontend relays it as it is).
+                call = self.intake.calls.get(a.cid)
+                if call is not None and call.binary:
+                    out = wire.OutputMsg(
+                        partition=partition,
+                        seq=a.seq,
+                        json=wire.pack_event(a.data, self.ctx.binary_fields),
+                        sent_ns=time.time_ns(),
+                        packed=True,
+                    )
+                else:
+                    out = wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
+                await self.ctx.bus.publish(subjects.out(a.cid), wire.encode(out))
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item), walk=a.walk))
                 await self.ctx.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery

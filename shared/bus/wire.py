@@ -13,10 +13,13 @@ major rather than misreading it.
 
 from __future__ import annotations
 
+import binascii
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
+import pybase64
 
 from shared.runtime.errors import ProtocolError
 from shared.sdk.chunking import Item
@@ -25,9 +28,11 @@ from shared.sdk.chunking import Item
 # new minor must never raise it. The minor travels beside it, in `vm`, which those
 # decoders ignore like any field they do not know.
 # Minors: 1.1 added EdgeItemMsg.walk; 1.2 the frontend's beats and held calls
-# (FrontendHeartbeat.beat and .calls, Open.frontend_beat, CallRecord.frontend_beat).
+# (FrontendHeartbeat.beat and .calls, Open.frontend_beat, CallRecord.frontend_beat); 1.3
+# calls whose client reads msgpack (Open.binary, CallRecord.binary, Assign.binary,
+# OutputMsg.packed).
 MAJOR = 1
-MINOR = 2
+MINOR = 3
 _T = TypeVar("_T", bound="Msg")
 
 
@@ -80,6 +85,9 @@ class Open(Msg, tag="open"):
     # heartbeat numbered above lists the call while the frontend holds it (0: before its first,
     # or a frontend that lists none).
     frontend_beat: int = 0
+    # 1.3: the client reads the call's replies in msgpack (binary frames): its outputs are
+    # published packed (`pack_event`), so the frontend relays them as they come.
+    binary: bool = False
 
 
 class InputItem(Msg, tag="in"):
@@ -113,13 +121,20 @@ class EdgeEnd(Msg, tag="edge_end"):
 class OutputMsg(Msg, tag="out"):
     """call.{cid}.out: one output event; `seq` counts per partition.
 
-    The event is JSON already: the frontend relays it to the client without decoding it.
+    The event is encoded as its client reads it already (JSON text, or for a call opened in
+    msgpack, `packed`): the frontend relays it to the client without decoding it.
     """
 
     partition: str
     seq: int
-    json: bytes
+    json: bytes  # the event: JSON text, or msgpack where `packed`
     sent_ns: int = 0  # the worker's wall clock when it published it (the frontend's reply lag); 0: not given
+    # 1.3: `json` holds the event in msgpack, the model's base64 fields as bytes (`pack_event`).
+    packed: bool = False
+
+    def event_json(self) -> bytes:
+        """The event as JSON text, however it was published."""
+        return unpack_event(self.json) if self.packed else self.json
 
 
 class Done(Msg, tag="done"):
@@ -155,6 +170,7 @@ class Assign(Msg, tag="assign"):
     partitions: list[str]
     model_kwargs: dict[str, Any] = {}
     kwargs_in_open: bool = False  # too large to carry here: read them from call.{cid}.open
+    binary: bool = False  # 1.3: publish the call's outputs packed (Open.binary)
 
 
 class AssignReply(Msg, tag="assign_reply"):
@@ -201,6 +217,7 @@ class CallRecord(Msg, tag="call"):
     done: dict[str, int] = {}  # partition -> outputs
     usage: dict[str, Any] = {}
     frontend_beat: int = 0  # 1.2: the open's, so a restored call is reconciled as before
+    binary: bool = False  # 1.3: the open's (its outputs are published packed)
 
 
 class Placed(Msg, tag="placed"):
@@ -268,3 +285,48 @@ def decode_as(data: bytes, kind: type[_T]) -> _T:
     if not isinstance(msg, kind):
         raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
     return msg
+
+
+# -- output events -------------------------------------------------------------
+# An output event is a model's dict. Its client reads it as JSON text, or, on a call opened
+# in msgpack, as msgpack with the fields the model names in `Model.binary_fields` (base64
+# text in JSON: audio) as raw bytes. Workers publish it in the call's encoding, so the
+# frontend relays it without decoding it; these convert one to the other where an output
+# arrives in the other encoding (a worker of a release before 1.3, a recording read back).
+_event_encoder = msgspec.msgpack.Encoder()
+
+
+def pack_event(data: dict[str, Any], binary_fields: Collection[str]) -> bytes:
+    """The event in msgpack, each of `binary_fields` that holds base64 text as its bytes
+    (text that is not base64 stays text)."""
+    raw: dict[str, Any] | None = None
+    for f in binary_fields:
+        v = data.get(f)
+        if isinstance(v, str):
+            try:
+                b = pybase64.b64decode(v.encode("ascii"), validate=True)
+            except (binascii.Error, ValueError):
+                continue
+            if raw is None:
+                raw = dict(data)
+            raw[f] = b
+    return _event_encoder.encode(data if raw is None else raw)
+
+
+def repack_event(json_text: bytes, binary_fields: Collection[str]) -> bytes:
+    """A JSON event as `pack_event` makes it."""
+    try:
+        data = msgspec.json.decode(json_text)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"an output that is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        return _event_encoder.encode(data)
+    return pack_event(data, binary_fields)
+
+
+def unpack_event(packed: bytes) -> bytes:
+    """A packed event as JSON text: its bytes as base64 again (msgspec writes bytes so)."""
+    try:
+        return msgspec.json.encode(msgspec.msgpack.decode(packed))
+    except (msgspec.DecodeError, TypeError) as e:
+        raise ProtocolError(f"an output that is not msgpack: {e}") from None

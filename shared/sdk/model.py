@@ -117,6 +117,9 @@ class Model(ABC):
 
     name: ClassVar[str]
     topology: PartitionTopology
+    binary_fields: ClassVar[tuple[str, ...]] = ("audio",)
+    """Top-level fields of this model's output events that hold base64 text (`b64_pcm16`).
+    A client that opened its call in msgpack gets them as raw bytes, no base64 to undo."""
 
     def client_edges(self) -> dict[str, Connection]:
         return self.topology.client_edges()

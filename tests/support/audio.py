@@ -36,7 +36,8 @@ def padded(samples: np.ndarray) -> bytes:
 
 
 def echo_bytes(outputs: list[dict[str, Any]]) -> bytes:
-    return b"".join(base64.b64decode(o["audio"]) for o in outputs)
+    """The audio of echo's outputs: base64 text, or bytes (a call opened in msgpack)."""
+    return b"".join(o["audio"] if isinstance(o["audio"], bytes) else base64.b64decode(o["audio"]) for o in outputs)
 
 
 def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1, width: int = 2) -> bytes:

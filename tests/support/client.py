@@ -8,6 +8,7 @@ import time
 from typing import Any, Protocol
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import websockets
@@ -15,6 +16,10 @@ import websockets
 from tests.support.audio import pcm
 
 Message = dict[str, Any]
+
+
+class PackedMessage(dict[str, Any]):
+    """A message that came in a binary frame (msgpack)."""
 
 
 class Predicate(Protocol):
@@ -52,8 +57,16 @@ class WS:
     async def send(self, msg: Message | str) -> None:
         await self.ws.send(msg if isinstance(msg, str) else json.dumps(msg))
 
+    async def send_packed(self, msg: Message) -> None:
+        """The message in msgpack, as a binary frame (files' data as bytes)."""
+        await self.ws.send(msgspec.msgpack.encode(msg))
+
     async def recv(self, timeout: float = 10.0) -> Message:
-        m: Message = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+        """The next message; one in a binary frame is msgpack, and a `PackedMessage`."""
+        data = await asyncio.wait_for(self.ws.recv(), timeout)
+        if isinstance(data, bytes) and data[:1] != b"{":
+            return PackedMessage(msgspec.msgpack.decode(data))
+        m: Message = json.loads(data)
         return m
 
     async def until(self, pred: Predicate, timeout: float = 20.0, keep: bool = False) -> Message:

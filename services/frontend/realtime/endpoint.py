@@ -193,7 +193,7 @@ class LiveSession:
 
     def sink(self, reply: Reply) -> None:
         """The call's messages (relayed outputs, its finish or error), from the service."""
-        msg = reply if isinstance(reply, dict) else _decode_reply(reply)
+        msg = reply if isinstance(reply, dict) else _decode_reply(to_json(reply))
         now = time.monotonic()
         if "output" in msg:
             out = msg["output"]
