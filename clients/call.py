@@ -2,7 +2,9 @@
 
 Sends the file in appends of `--append-ms` (80 ms by default) paced in real time
 (or as fast as possible with --fast), ends the input, waits for the finish and
-writes the reply audio (outputs carrying "audio") to `--out`.
+writes the reply audio (outputs carrying "audio") to `--out`. Messages go in msgpack
+(binary frames: audio as raw bytes both ways, no base64 to encode or decode), or with
+`--json` as JSON text.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import websockets
 
@@ -48,8 +51,17 @@ def read_wav(path: str, rate: int | None = SAMPLE_RATE) -> tuple[np.ndarray, int
     return samples, want
 
 
-def pcm_file(samples: np.ndarray) -> dict[str, str]:
+def pcm_file(samples: np.ndarray, binary: bool = False) -> dict[str, Any]:
+    """One append's file: raw PCM16, as bytes (msgpack) or base64 text (JSON)."""
+    if binary:
+        return {"name": "chunk.pcm", "data": np.asarray(samples, dtype="<i2").tobytes()}
     return {"name": "chunk.pcm", "data": b64_pcm16(samples)}
+
+
+def decode(frame: str | bytes) -> dict[str, Any]:
+    """A server message: a binary frame's is msgpack, a text frame's JSON."""
+    msg: dict[str, Any] = msgspec.msgpack.decode(frame) if isinstance(frame, bytes) else json.loads(frame)
+    return msg
 
 
 # A --fast upload runs ahead of the server by all that the two sockets buffer, minutes of
@@ -75,8 +87,11 @@ async def stream_call(
     model: str | None = None,
     request_id: str | None = None,
     on_message: Any = None,
+    binary: bool = True,
 ) -> dict[str, Any]:
-    """One live call over its own socket; returns outputs, the final message and timings."""
+    """One live call over its own socket, in msgpack (`binary`) or JSON; returns outputs,
+    the final message and timings."""
+    encode: Any = msgspec.msgpack.encode if binary else json.dumps
     rid = request_id or f"call-{secrets.token_hex(4)}"
     step = max(1, rate * append_ms // 1000)
     outputs: list[dict[str, Any]] = []
@@ -89,14 +104,14 @@ async def stream_call(
             opening: dict[str, Any] = {"request_id": rid}
             if model:
                 opening["model"] = model
-            await ws.send(json.dumps(opening))
+            await ws.send(encode(opening))
             t0 = time.monotonic()
             for i, start in enumerate(range(0, len(samples), step)):
-                await ws.send(json.dumps({"request_id": rid, "append": [pcm_file(samples[start : start + step])]}))
+                await ws.send(encode({"request_id": rid, "append": [pcm_file(samples[start : start + step], binary)]}))
                 progress = time.monotonic()
                 if not fast:
                     await asyncio.sleep(max(0.0, t0 + (i + 1) * append_ms / 1000 - time.monotonic()))
-            await ws.send(json.dumps({"request_id": rid, "end_input": True}))
+            await ws.send(encode({"request_id": rid, "end_input": True}))
 
         async def receive() -> str | bytes:
             if not fast:
@@ -112,7 +127,7 @@ async def stream_call(
         try:
             while True:
                 try:
-                    msg = json.loads(await receive())
+                    msg = decode(await receive())
                 except websockets.ConnectionClosedOK:
                     break
                 progress = time.monotonic()
@@ -130,11 +145,16 @@ async def stream_call(
     return result
 
 
+def _short(audio: object) -> str:
+    return f"<{len(audio)} bytes>" if isinstance(audio, bytes) else f"<{len(str(audio))} b64 chars>"
+
+
 def reply_audio(outputs: list[dict[str, Any]]) -> tuple[np.ndarray, int]:
     chunks, rate = [], 16_000
     for o in outputs:
         if "audio" in o:
-            chunks.append(pcm16_from_b64(o["audio"]))
+            audio = o["audio"]  # bytes in msgpack, base64 text in JSON
+            chunks.append(np.frombuffer(audio, dtype="<i2") if isinstance(audio, bytes) else pcm16_from_b64(audio))
             rate = int(o.get("sample_rate", rate))
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype="<i2")), rate
 
@@ -146,13 +166,15 @@ async def run_call(args: argparse.Namespace) -> int:
         if args.quiet:
             return
         if "output" in msg:
-            o = {k: (f"<{len(v)} b64 chars>" if k == "audio" else v) for k, v in msg["output"].items()}
+            o = {k: (_short(v) if k == "audio" else v) for k, v in msg["output"].items()}
             print(json.dumps({"output": o}))
         else:
             print(json.dumps(msg))
 
     try:
-        result = await stream_call(args.url, samples, rate, args.append_ms, args.fast, args.model, args.request_id, show)
+        result = await stream_call(
+            args.url, samples, rate, args.append_ms, args.fast, args.model, args.request_id, show, not args.json
+        )
     except (OSError, websockets.InvalidHandshake, websockets.ConnectionClosedError) as e:
         print(f"error: cannot talk to {args.url}: {e or type(e).__name__} (is duplexbus up running?)", file=sys.stderr)
         return 1

@@ -107,9 +107,9 @@ def _item(item: wire.WireItem) -> str:
 
 def _output(msg: wire.OutputMsg) -> str:
     try:
-        o = json.loads(msg.json)
-    except ValueError:
-        return f"{len(msg.json)} B (not JSON)"
+        o = json.loads(msg.event_json())  # a packed one (its client read msgpack) as JSON
+    except (ValueError, DuplexError):
+        return f"{len(msg.json)} B (not {'msgpack' if msg.packed else 'JSON'})"
     if not isinstance(o, dict):
         return str(o)[:80]
     parts = []
@@ -186,7 +186,7 @@ def raw(s: Stored, msg: wire.AnyMsg | None) -> str:
         t = item["data"]
         item["data"] = {"dtype": t["dtype"], "shape": t["shape"]}
     if isinstance(msg, wire.OutputMsg):
-        data = json.loads(msg.json)
+        data = json.loads(msg.event_json())
         if isinstance(data, dict) and isinstance(data.get("audio"), str):
             data["audio"] = f"<{len(data['audio'])} b64 chars>"
         d["json"] = data

@@ -51,4 +51,4 @@ def output_events(msgs: list[tuple[Stored, wire.AnyMsg | None]], rate: int) -> l
     """The call's outputs as `duplexbus eval`'s translator reads them from a socket (`rate`:
     of audio that does not say its own)."""
     translator = GenerateWS(rate)
-    return [ev for o in outputs(msgs) for ev in translator.classify(b'{"output": ' + o.json + b"}")]
+    return [ev for o in outputs(msgs) for ev in translator.classify(b'{"output": ' + o.event_json() + b"}")]

@@ -365,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--out", default="reply.wav", help="where to write the reply audio")
     ca.add_argument("--request-id", help="the call's request_id (default: a random one)")
     ca.add_argument("--quiet", action="store_true", help="print only the finish")
+    ca.add_argument(
+        "--json",
+        action="store_true",
+        help="send JSON text frames with base64 audio (default: msgpack binary frames with raw audio, cheaper at both ends)",
+    )
     ca.set_defaults(fn=cmd_call)
 
     from clients.eval.command import add_parser as add_eval

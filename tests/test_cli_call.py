@@ -99,6 +99,13 @@ def test_appends_and_reply_audio_are_base64_pcm16() -> None:
     assert np.array_equal(audio, samples)
 
 
+def test_in_msgpack_appends_and_reply_audio_are_raw_pcm16() -> None:
+    samples = np.array([0, 1, -1, 32767, -32768], dtype="<i2")
+    assert pcm_file(samples, binary=True) == {"name": "chunk.pcm", "data": samples.tobytes()}
+    audio, rate = reply_audio([{"audio": samples[:2].tobytes()}, {"audio": b64_pcm16(samples[2:])}])
+    assert rate == 16000 and np.array_equal(audio, samples)
+
+
 class DeafServer:
     """A WebSocket server that reads nothing of a call for `deaf_s` (a server working through
     other uploads: the client's pings wait unanswered), then reads it all and finishes it,
@@ -107,6 +114,7 @@ class DeafServer:
     def __init__(self, deaf_s: float, answer: bool = True) -> None:
         self.deaf_s, self.answer = deaf_s, answer
         self.appends = 0
+        self.binary = False  # the client's last message came in a binary frame
 
     async def handler(self, ws: websockets.asyncio.server.ServerConnection) -> None:
         ws.transport.pause_reading()
@@ -116,7 +124,8 @@ class DeafServer:
             await ws.wait_closed()  # it answers the client's close, and nothing else
             return
         async for raw in ws:
-            msg = json.loads(raw)
+            msg = call.decode(raw)
+            self.binary = isinstance(raw, bytes)
             self.appends += "append" in msg
             if msg.get("end_input"):
                 await ws.send(json.dumps({"request_id": msg["request_id"], "finish": {"reason": "end_input"}}))
@@ -139,7 +148,7 @@ async def test_a_fast_call_outlasts_pings_that_wait_behind_its_upload(monkeypatc
     async with server.serving() as url:
         result = await call.stream_call(url, samples, 16000, fast=True)
         assert result["final"] == {"request_id": result["request_id"], "finish": {"reason": "end_input"}}
-        assert server.appends == 25
+        assert server.appends == 25 and server.binary  # `duplexbus call` speaks msgpack
         with pytest.raises(websockets.ConnectionClosedError, match="keepalive ping timeout"):
             await call.stream_call(url, samples[:1600], 16000, fast=False)
 

@@ -421,3 +421,11 @@ async def test_a_worker_publishes_a_binary_calls_outputs_packed() -> None:
     bin_out, txt_out = (wire.decode_as(b, wire.OutputMsg) for b in published)
     assert bin_out.packed and msgspec.msgpack.decode(bin_out.json) == {**EVENT, "audio": PCM}
     assert not txt_out.packed and json.loads(txt_out.json) == EVENT
+
+
+def test_a_packed_output_reads_as_json_in_a_replay() -> None:
+    from clients import replay
+
+    o = wire.OutputMsg(partition="p", seq=0, json=wire.pack_event(EVENT, ("audio",)), packed=True)
+    assert f"audio {len(PCM)} B" in replay._output(o)
+    assert replay._output(wire.OutputMsg(partition="p", seq=0, json=b"\xc1", packed=True)) == "1 B (not msgpack)"
