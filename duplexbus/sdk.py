@@ -34,6 +34,8 @@ from shared.sdk.realtime import (
     ReplyText,
     SpeechStarted,
     SpeechStopped,
+    TurnSettings,
+    TurnTaking,
 )
 from shared.sdk.topology import (
     CLIENT,
@@ -82,6 +84,8 @@ __all__ = [  # sorted (ruff); grouped by what they are for in docs/models.md
     "SpeechStopped",
     "StepInput",
     "StreamInput",
+    "TurnSettings",
+    "TurnTaking",
     "b64_pcm16",
     "client_stream_limits",
     "decode_audio_file",

@@ -34,6 +34,8 @@ from duplexbus.sdk import (
     SpeechStarted,
     SpeechStopped,
     StepInput,
+    TurnSettings,
+    TurnTaking,
     b64_pcm16,
     pcm16_from_b64,
 )
@@ -141,13 +143,17 @@ class EchoRealtime(RealtimeMapping):
     the frontend pads a commit with belong to no range and are dropped.
 
     Server VAD: echo's own turn-taking is by energy (the `rms` its Encoder computes): a turn
-    starts at a frame of at least `VOICED_RMS` and ends after `QUIET_FRAMES` quieter frames
-    (or at `MAX_TURN_FRAMES`); its reply is the turn's frames, up to the last voiced one.
+    starts at a frame of at least `voiced_rms` and ends after `quiet_frames` quieter frames
+    (or at `MAX_TURN_FRAMES`); its reply is the turn's frames, from `prefix_frames` before the
+    first voiced one up to the last voiced one. The session's `threshold`,
+    `silence_duration_ms` and `prefix_padding_ms` set those three (`set_turn_detection`), to
+    whole 80 ms frames; `semantic_vad` is served by the same energy detector.
     """
 
-    VOICED_RMS = 300.0  # about -40 dBFS
+    VOICED_RMS = 300.0  # about -40 dBFS: a turn's start where the session gives no threshold
     QUIET_FRAMES = 6  # 480 ms of quiet ends a turn
     MAX_TURN_FRAMES = 375  # 30 s: the most one turn holds
+    FRAME_MS = FRAME * 1000 // SAMPLE_RATE  # 80
 
     def __init__(self) -> None:
         self.server_vad = False
@@ -156,9 +162,37 @@ class EchoRealtime(RealtimeMapping):
         self.turn: list[np.ndarray] = []  # server VAD: the open turn's frames
         self.voiced = 0  # frames of the open turn up to its last voiced one
         self.start_frame = 0
+        self.voiced_rms = self.VOICED_RMS
+        self.threshold: float | None = None  # as the session set it (None: VOICED_RMS)
+        self.quiet_frames = self.QUIET_FRAMES
+        self.prefix_frames = 0
+        self.before: deque[np.ndarray] = deque(maxlen=1)  # quiet frames before a turn (its prefix)
 
     def set_server_vad(self, on: bool) -> None:
         self.server_vad = on
+
+    def set_turn_detection(self, settings: TurnSettings) -> TurnTaking:
+        """Each `session.update` sets the whole turn detection object: a setting it leaves out
+        is echo's default again."""
+        self.threshold = settings.threshold
+        # 0.0 to 1.0 onto -70 to -10 dBFS (0.5: -40 dBFS, about the default's 300)
+        t = settings.threshold
+        self.voiced_rms = self.VOICED_RMS if t is None else 32768.0 * 10 ** ((-70.0 + 60.0 * t) / 20.0)
+        silence = settings.silence_duration_ms
+        self.quiet_frames = self.QUIET_FRAMES if silence is None else max(1, round(silence / self.FRAME_MS))
+        self.prefix_frames = round((settings.prefix_padding_ms or 0) / self.FRAME_MS)
+        kept = list(self.before)[-self.prefix_frames :] if self.prefix_frames else []
+        self.before = deque(kept, maxlen=max(1, self.prefix_frames))
+        unsupported = {}
+        if settings.eagerness is not None:
+            unsupported["eagerness"] = "semantic_vad is served by echo's energy detector, which has no eagerness"
+        return TurnTaking(
+            "echo's energy detector (80 ms frames)",
+            threshold=0.5 if t is None else t,
+            prefix_padding_ms=self.prefix_frames * self.FRAME_MS,
+            silence_duration_ms=self.quiet_frames * self.FRAME_MS,
+            unsupported=unsupported,
+        )
 
     def committed(self, start: int, samples: int) -> None:
         self.ranges.append((start, start + samples))
@@ -189,18 +223,22 @@ class EchoRealtime(RealtimeMapping):
         return out
 
     def _by_energy(self, i: int, pcm: np.ndarray, rms: float) -> list[ModelEvent]:
-        voiced = rms >= self.VOICED_RMS
+        voiced = rms >= self.voiced_rms
         if not self.turn:
             if not voiced:
+                if self.prefix_frames:
+                    self.before.append(pcm)
                 return []
-            self.start_frame, self.voiced = i, 1
-            self.turn.append(pcm)
-            return [SpeechStarted(round(i * FRAME / SAMPLE_RATE, 3))]
+            # The turn (and its audio_start_ms) begins prefix_padding_ms before the voiced frame.
+            self.turn = [*self.before, pcm]
+            self.before.clear()
+            self.start_frame, self.voiced = i + 1 - len(self.turn), len(self.turn)
+            return [SpeechStarted(round(self.start_frame * FRAME / SAMPLE_RATE, 3))]
         self.turn.append(pcm)
         if voiced:
             self.voiced = len(self.turn)
         quiet = len(self.turn) - self.voiced
-        if quiet < self.QUIET_FRAMES and len(self.turn) < self.MAX_TURN_FRAMES:
+        if quiet < self.quiet_frames and len(self.turn) < self.MAX_TURN_FRAMES:
             return []
         frames, self.turn = self.turn[: self.voiced], []
         end_s = round((self.start_frame + len(frames)) * FRAME / SAMPLE_RATE, 3)

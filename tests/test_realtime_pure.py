@@ -92,11 +92,14 @@ def test_manual_commit_comes_back_byte_exact_at_the_models_rate() -> None:
     committed = next(e for e in h.events if e["type"] == "input_audio_buffer.committed")
     added = [e for e in h.events if e["type"] == "conversation.item.added"]
     assert added[0]["item"]["id"] == committed["item_id"] and added[0]["item"]["role"] == "user"
-    # A second commit is a second response with its own audio; the padding of the first is dropped.
+    # A commit alone starts nothing (the reply is held); the client's response.create takes it:
+    # a second response with its own audio, the padding of the first dropped.
     clip2 = tone(0.1, 16000, hz=880)
     h.append(clip2)
     h.send({"type": "input_audio_buffer.commit"})
     h.run_echo()
+    assert len([e for e in h.events if e["type"] == "response.created"]) == 1
+    h.send({"type": "response.create"})
     done = [e["response"]["id"] for e in h.events if e["type"] == "response.done"]
     assert len(done) == 2 and audio_of(h.events, done[1]) == clip2.tobytes()
     assert [event_number(e["event_id"]) for e in h.events] == list(range(1, len(h.events) + 1))
@@ -111,6 +114,7 @@ def test_24khz_round_trip_keeps_the_audio_within_the_stated_bound() -> None:
     for i in range(0, len(clip), 480):  # 20 ms appends
         h.append(clip[i : i + 480])
     h.send({"type": "input_audio_buffer.commit"})
+    h.send({"type": "response.create"})
     h.run_echo()
     got = np.frombuffer(audio_of(h.events), dtype="<i2")
     assert abs(len(got) - len(clip)) <= 2, (len(got), len(clip))
@@ -145,6 +149,7 @@ def test_any_rate_from_8_to_48_khz_comes_back_at_the_output_rate_within_the_boun
     for i in range(0, len(clip), step):
         h.append(clip[i : i + step])
     h.send({"type": "input_audio_buffer.commit"})
+    h.send({"type": "response.create"})
     assert sum(len(p) for p in h.sent) >= 16000  # what the model got: at its own rate
     h.run_echo()
     done = next(e for e in h.events if e["type"] == "response.done")
@@ -164,10 +169,12 @@ def test_the_output_rate_changes_between_responses() -> None:
     clip = tone(0.5, 16000)
     h.append(clip)
     h.send({"type": "input_audio_buffer.commit"})
+    h.send({"type": "response.create"})
     h.run_echo()
     h.send(rates(16000, 48000))
     h.append(clip)
     h.send({"type": "input_audio_buffer.commit"})
+    h.send({"type": "response.create"})
     h.run_echo()
     first, second = [e["response"]["id"] for e in h.events if e["type"] == "response.done"]
     assert audio_of(h.events, first) == clip.tobytes()  # the model's own rate: untouched
@@ -275,6 +282,7 @@ def test_response_cancel_ends_the_response_once_and_drops_the_rest() -> None:
     h.send(MANUAL_16K)
     h.append(tone(0.5, 16000))
     h.send({"type": "input_audio_buffer.commit"})
+    h.send({"type": "response.create"})
     stream = np.concatenate(h.sent)
     h.sent = [stream[: FRAME * 2]]
     h.run_echo()  # two frames back: the response is speaking
@@ -287,34 +295,48 @@ def test_response_cancel_ends_the_response_once_and_drops_the_rest() -> None:
     assert done[0]["response"]["status_details"]["reason"] == "client_cancelled"
     assert len(audio_of(h.events)) == 2 * FRAME * 2
     err = h.send({"type": "response.cancel", "event_id": "again"})
+    # OpenAI's code and words: LiveKit's plugin stays quiet for this message only.
     assert err[0]["error"]["code"] == "response_cancel_not_active"
+    assert err[0]["error"]["message"] == "Cancellation failed: no active response found"
 
 
-def test_a_reply_that_overtakes_its_response_create_is_that_requests_response() -> None:
-    """Manual turns: a quick model can reply to a commit, and finish, before the client's
-    response.create arrives. That request is answered by the reply already sent: no second,
-    empty response (which would end `incomplete` after response_wait_s)."""
+def test_manual_turns_wait_for_response_create_and_a_reply_that_came_first_is_held() -> None:
+    """turn_detection null: the client decides. A commit alone starts no response; a quick
+    model's reply that is complete before the client's response.create is held and is that
+    request's response, audio and all."""
     h = Harness()
     h.send(MANUAL_16K)
-    for clip in (tone(0.16, 16000), tone(0.08, 16000, hz=660)):
+    for clip in (tone(0.16, 16000), tone(0.12, 16000, hz=660)):
         h.append(clip)
         h.send({"type": "input_audio_buffer.commit"})
         h.run_echo()  # the whole reply, before the request
-        h.send({"type": "response.create"})
-        assert h.s.response is None
-        assert h.take(h.s.tick(60.0)) == []
+        assert "response.created" not in h.types()[-3:] and h.s.response is None
+        created = h.send({"type": "response.create", "response": {"metadata": {"client_event_id": "c"}}})
+        assert created[0]["type"] == "response.created" and created[0]["response"]["metadata"] == {"client_event_id": "c"}
+        done = created[-1]
+        assert done["type"] == "response.done" and done["response"]["status"] == "completed"
+        assert done["response"]["metadata"] == {"client_event_id": "c"}
+        assert audio_of(h.events, done["response"]["id"]) == clip.tobytes()
     assert h.types().count("response.done") == 2
-    # With no committed turn unanswered, response.create makes a response of its own.
-    h.send({"type": "response.create"}, now=100.0)
-    assert h.s.response is not None and h.s.response.state is ResponseState.WAITING
-    check_responses(h.events, closed=False)
+    # Nothing unanswered: the models take no prompt of their own, so the response is empty, at once.
+    empty = h.send({"type": "response.create"}, now=100.0)
+    assert empty[0]["type"] == "response.created" and empty[-1]["response"]["status"] == "completed"
+    assert h.s.response is None
+    check_responses(h.events)
 
 
 def test_a_requested_response_with_no_reply_ends_incomplete() -> None:
     h = Harness()
+    h.send(MANUAL_16K)
+    h.append(tone(0.2, 16000))
+    h.send({"type": "input_audio_buffer.commit"})
     h.send({"type": "response.create"}, now=0.0)
     assert h.s.response is not None and h.s.response.state is ResponseState.WAITING
-    h.send({"type": "response.create"}, now=1.0)  # one is coming already: no second response
+    # One is in progress: a second is refused as OpenAI refuses it (clients handle the race).
+    err = h.send({"type": "response.create", "event_id": "again"}, now=1.0)
+    assert [e["type"] for e in err] == ["error"]
+    assert (err[0]["error"]["code"], err[0]["error"]["event_id"]) == ("conversation_already_has_active_response", "again")
+    assert h.s.response.id in err[0]["error"]["message"]
     assert h.take(h.s.tick(4.9)) == []
     out = h.take(h.s.tick(5.0))
     assert out[-1]["type"] == "response.done" and out[-1]["response"]["status"] == "incomplete"
@@ -339,6 +361,9 @@ def test_session_close_ends_input_then_closes_after_the_call() -> None:
 
 def test_a_failed_call_fails_its_response_and_closes() -> None:
     h = Harness()
+    h.send(MANUAL_16K)
+    h.append(tone(0.2, 16000))
+    h.send({"type": "input_audio_buffer.commit"})
     h.send({"type": "response.create"})
     out = h.take(h.s.call_ended(503, "the frontend is stopping"))
     kinds = [e["type"] for e in out]
@@ -355,12 +380,13 @@ def test_truncate_is_clamped_to_the_audio_sent() -> None:
     h.send(MANUAL_16K)
     h.append(tone(0.16, 16000))
     h.send({"type": "input_audio_buffer.commit"})
+    h.send({"type": "response.create"})
     h.run_echo()
     item = next(e["item"]["id"] for e in h.events if e["type"] == "response.output_item.added")
     out = h.send({"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 99999})
     assert out[0]["type"] == "conversation.item.truncated" and out[0]["audio_end_ms"] == 160
     bad = h.send({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 1})
-    assert bad[0]["error"]["param"] == "item_id"
+    assert (bad[0]["error"]["code"], bad[0]["error"]["param"]) == ("item_truncate_invalid_item_id", "item_id")
 
 
 def test_audio_item_is_one_turn_and_text_needs_a_text_stream() -> None:
@@ -402,8 +428,9 @@ class TextReplies(RealtimeMapping):
 def test_a_text_reply_is_output_text_deltas_and_done_as_the_sdk_types_them() -> None:
     from openai.types.realtime import ResponseTextDeltaEvent, ResponseTextDoneEvent
 
-    h = Harness(TextReplies())
+    h = Harness(TextReplies(), has_text=True)
     h.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"]}})
+    h.send({"type": "conversation.item.create", "item": {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
     h.send({"type": "response.create", "event_id": "r1"})
     h.take(h.s.on_output({"reply": "start"}, 0.0))
     h.take(h.s.on_output({"text": "Hello"}, 0.0))
@@ -432,7 +459,8 @@ def test_a_text_reply_is_output_text_deltas_and_done_as_the_sdk_types_them() -> 
 def test_a_text_response_that_is_cancelled_still_ends_its_text() -> None:
     from openai.types.realtime import ResponseTextDoneEvent
 
-    h = Harness(TextReplies())
+    h = Harness(TextReplies(), has_text=True)
+    h.send({"type": "conversation.item.create", "item": {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
     h.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
     h.take(h.s.on_output({"reply": "start"}, 0.0))
     h.take(h.s.on_output({"text": "Partial"}, 0.0))

@@ -77,6 +77,7 @@ async def test_json_nested_too_deeply_is_invalid_json_and_the_session_goes_on(st
     clip = tone(0.2, 16000)
     await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(clip)})
     await rt.send({"type": "input_audio_buffer.commit"})
+    await rt.send({"type": "response.create"})
     done = await rt.next("response.done")
     assert audio_of(rt.seen, done["response"]["id"]) == clip.tobytes()
     await rt.close()
@@ -138,6 +139,7 @@ async def test_resume_after_a_drop_mid_reply_loses_and_repeats_nothing(stack: St
     clip = tone(2.0, 16000)
     await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(clip)})
     await rt.send({"type": "input_audio_buffer.commit"})
+    await rt.send({"type": "response.create"})
     await rt.next("response.output_audio.delta")
     last = rt.seen[-1]["event_id"]
     rt.ws.transport.abort()  # mid-reply: the rest of the response is stored, not read
@@ -159,6 +161,7 @@ async def test_resume_after_a_drop_mid_reply_loses_and_repeats_nothing(stack: St
     second = tone(0.3, 16000, hz=880)
     await again.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(second)})
     await again.send({"type": "input_audio_buffer.commit"})
+    await again.send({"type": "response.create"})
     done2 = await again.next("response.done")
     assert audio_of(again.seen, done2["response"]["id"]) == second.tobytes()
     await again.close()
@@ -196,6 +199,7 @@ async def test_resume_with_an_unknown_token_is_an_error_and_the_new_session_goes
     clip = np.asarray(tone(0.2, 16000))
     await rt.send({"type": "input_audio_buffer.append", "audio": b64_pcm16(clip)})
     await rt.send({"type": "input_audio_buffer.commit"})
+    await rt.send({"type": "response.create"})
     done = await rt.next("response.done")
     assert audio_of(rt.seen, done["response"]["id"]) == clip.tobytes()
     await rt.close()

@@ -57,6 +57,8 @@ STABLE = frozenset(
         "SpeechStopped",
         "StepInput",
         "StreamInput",
+        "TurnSettings",
+        "TurnTaking",
         "b64_pcm16",
         "decode_audio_file",
         "encode_wav",

@@ -145,7 +145,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="none",
         help="none: the eval commits at the end of each clip; server_vad: the server's turn-taking ends it (no commit)",
     )
-    rt.add_argument("--response-create", action="store_true", help="send response.create after each commit")
+    rt.add_argument(
+        "--response-create",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send response.create after each commit, as OpenAI's manual turns need (and duplexbus's):"
+        " --no-response-create for a server that answers a commit by itself",
+    )
     rt.add_argument("--transcription-model", help="ask for input transcription with this model (its transcript is scored)")
     rt.add_argument("--header", action="append", metavar="NAME: VALUE", help="extra HTTP header for the connection (repeatable)")
     w = ev.add_argument_group("bounds (seconds): every wait of a sample")

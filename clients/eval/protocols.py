@@ -149,8 +149,8 @@ class Realtime(Protocol):
     by `input_audio_buffer.committed`), or "server_vad": the server's own turn-taking decides,
     so nothing is committed (duplexbus refuses a commit in that mode; OpenAI commits by
     itself) and the end of input is the end of the clip, padding going on from there.
-    `response_create`: send `response.create` after the commit (servers that answer a manual
-    commit only when asked)."""
+    `response_create`: send `response.create` after the commit (OpenAI and duplexbus answer a
+    manual commit only when asked; False for a server that answers it by itself)."""
 
     name = "realtime"
     pads_after_end = True
@@ -160,7 +160,7 @@ class Realtime(Protocol):
         rate: int,
         model: str | None = None,
         turn_detection: str | None = None,
-        response_create: bool = False,
+        response_create: bool = True,
         transcription_model: str | None = None,
     ) -> None:
         super().__init__(rate, model)

@@ -64,7 +64,7 @@ class Options:
     append_ms: int = 80
     bounds: Bounds = field(default_factory=Bounds)
     turn_detection: str | None = None
-    response_create: bool = False
+    response_create: bool = True
     transcription_model: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     send_buffer: int | None = None  # SO_SNDBUF of the client socket (tests make stalls quick with a small one)

@@ -32,6 +32,10 @@ SAMPLE_RATE = 16_000
 WINDOW = 512  # silero-vad window at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous window the network sees
 STATE_SHAPE = (2, 128)  # per call: (2, B, 128) batched
+# The Listener's turn-taking defaults (its constructor's): OpenAI's server_vad defaults too.
+THRESHOLD = 0.5
+MIN_SILENCE_S = 0.5
+PREROLL_S = 0.3
 
 
 def load_vad_network(torch_threads: int | None = 1) -> Any:
@@ -87,9 +91,9 @@ class Listener(Partition):
 
     def __init__(
         self,
-        threshold: float = 0.5,
-        min_silence_s: float = 0.5,
-        preroll_s: float = 0.3,
+        threshold: float = THRESHOLD,
+        min_silence_s: float = MIN_SILENCE_S,
+        preroll_s: float = PREROLL_S,
         max_turn_s: float = 30.0,
         min_turn_s: float = 0.25,
         torch_threads: int | None = 1,

@@ -9,6 +9,14 @@
 
 With manual commits the frontend sends a committed buffer and then `commit_padding_s` of
 silence, longer than the Listener's `min_silence_s` (0.5 s), so each commit ends a turn.
+
+Turn detection settings: the Listener decides turns on a worker, with settings fixed when
+the call opens, which is at connect, before any `session.update`. So it runs with its own
+(threshold 0.5, 300 ms before the start, 500 ms of silence: OpenAI's server_vad defaults),
+and a session that asks for other values is told they are not honoured (`session.updated`).
+`semantic_vad` is served by silero-vad, the best detector the model has. Its Talker stops a
+reply the caller talks over by itself (`barges_in`), so `interrupt_response: false` is not
+honoured either.
 """
 
 from __future__ import annotations
@@ -25,12 +33,30 @@ from duplexbus.sdk import (
     ReplyStarted,
     SpeechStarted,
     SpeechStopped,
+    TurnSettings,
+    TurnTaking,
     pcm16_from_b64,
 )
+from models.voice_assistant.listener import MIN_SILENCE_S, PREROLL_S, THRESHOLD
+
+FIXED = "voice_assistant's Listener decides turns with settings fixed when the call opens (at connect, before any session.update)"
 
 
 class VoiceAssistantRealtime(RealtimeMapping):
     commit_padding_s = 1.0
+    barges_in = True
+
+    def set_turn_detection(self, settings: TurnSettings) -> TurnTaking:
+        own = {
+            "threshold": THRESHOLD,
+            "prefix_padding_ms": round(PREROLL_S * 1000),
+            "silence_duration_ms": round(MIN_SILENCE_S * 1000),
+        }
+        unsupported = {k: f"{FIXED}: it runs with {own[k]}" for k, v in settings.given().items() if k in own and v != own[k]}
+        if settings.eagerness is not None:
+            unsupported["eagerness"] = "semantic_vad is served by silero-vad (the Listener), which has no eagerness"
+        prefix, silence = own["prefix_padding_ms"], own["silence_duration_ms"]
+        return TurnTaking("silero-vad (the Listener)", THRESHOLD, int(prefix), int(silence), unsupported)
 
     def __init__(self) -> None:
         self.piece = ""  # the reply piece the last audio chunk spoke

@@ -73,6 +73,38 @@ class ReplyCut:
     played_s: float
 
 
+@dataclass(frozen=True)
+class TurnSettings:
+    """The session's turn detection settings, as the client set them (`server_vad` or
+    `semantic_vad`; None: not given, the model's own value applies). OpenAI's meanings:
+    `threshold` 0.0 to 1.0 (higher: louder speech needed), `prefix_padding_ms` of audio kept
+    before the detected start, `silence_duration_ms` of silence that ends a turn."""
+
+    semantic: bool = False
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
+    silence_duration_ms: int | None = None
+    eagerness: str | None = None  # semantic_vad: low, medium, high or auto
+
+    def given(self) -> dict[str, object]:
+        """The settings the client gave, by their OpenAI names."""
+        names = ("threshold", "prefix_padding_ms", "silence_duration_ms", "eagerness")
+        return {k: v for k in names if (v := getattr(self, k)) is not None}
+
+
+@dataclass(frozen=True)
+class TurnTaking:
+    """What the model's turn-taking runs with once a mapping has applied `TurnSettings`: the
+    values in effect (reported in `session.updated`; None: the model has no such setting),
+    and each setting the client gave that the model cannot honour, with why."""
+
+    detector: str  # what decides turns, in words
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
+    silence_duration_ms: int | None = None
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+
 ModelEvent = SpeechStarted | SpeechStopped | InputTranscript | ReplyStarted | ReplyAudio | ReplyText | ReplyEnded | ReplyCut
 
 
@@ -91,11 +123,23 @@ class RealtimeMapping(ABC):
     commit_padding_s: ClassVar[float] = 0.0
     """Silence sent after a manually committed buffer, so the model's turn-taking ends the turn."""
 
+    barges_in: ClassVar[bool] = False
+    """True: the model stops its own reply when the caller talks over it, and says so with
+    `ReplyCut` (so `interrupt_response: false` cannot be honoured). False: the frontend cuts
+    a reply the caller talks over where the session asks for it (`interrupt_response`)."""
+
     def set_server_vad(self, on: bool) -> None:  # noqa: B027 (optional: most mappings need not know)
         """The session's mode changed (server VAD on or off)."""
 
     def committed(self, start: int, samples: int) -> None:  # noqa: B027
         """A manual commit: the call's audio samples [start, start + samples) at the model's rate."""
+
+    def set_turn_detection(self, settings: TurnSettings) -> TurnTaking:
+        """Apply the session's turn detection settings to the model's turn-taking, as far as
+        it can (called on every `session.update` that sets `server_vad` or `semantic_vad`).
+        The default applies none: each setting given is reported as not honoured."""
+        why = "this model's turn-taking takes no settings"
+        return TurnTaking("the model's own", unsupported={k: why for k in settings.given()})
 
     @abstractmethod
     def on_output(self, output: dict[str, Any]) -> list[ModelEvent]:

@@ -165,9 +165,9 @@ async def sdk_append(conn: Any, clip: np.ndarray, step: int) -> None:
         await conn.input_audio_buffer.append(audio=b64_pcm16(clip[i : i + step]))
 
 
-async def sdk_turn(conn: Any, clip: np.ndarray, step: int, events: list[dict[str, Any]], create: bool = False) -> dict[str, Any]:
-    """One turn committed by hand: the clip appended, committed (and `response.create` sent
-    where the session does not answer a commit by itself); its `response.done`."""
+async def sdk_turn(conn: Any, clip: np.ndarray, step: int, events: list[dict[str, Any]], create: bool = True) -> dict[str, Any]:
+    """One turn committed by hand: the clip appended, committed, and `response.create` sent
+    (with manual turns a commit alone starts nothing); its `response.done`."""
     await sdk_append(conn, clip, step)
     await conn.input_audio_buffer.commit()
     if create:

@@ -37,6 +37,20 @@ def invalid(message: str, param: str | None = None) -> ClientError:
     return ClientError("invalid_value", message, param)
 
 
+@dataclass(frozen=True)
+class TurnDetection:
+    """`turn_detection` as the client set it (`server_vad` or `semantic_vad`); None: not given."""
+
+    semantic: bool = False
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
+    silence_duration_ms: int | None = None
+    idle_timeout_ms: int | None = None  # server_vad only (as OpenAI's)
+    eagerness: str | None = None  # semantic_vad only
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
 @dataclass
 class SessionUpdate:
     """What a `session.update` sets; None: left as it is."""
@@ -44,6 +58,7 @@ class SessionUpdate:
     input_rate: int | None = None
     output_rate: int | None = None
     server_vad: bool | None = None
+    turn_detection: TurnDetection | None = None  # its settings where server_vad is True
     transcription: dict[str, Any] | None = None
     instructions: str | None = None
     output_modalities: list[str] | None = None
@@ -68,6 +83,7 @@ class Clear:
 @dataclass
 class ResponseCreate:
     output_modalities: list[str] | None = None
+    metadata: dict[str, Any] | None = None  # echoed in the response (LiveKit waits for its client_event_id)
 
 
 @dataclass
@@ -88,6 +104,21 @@ class ItemTruncate:
     item_id: str
     content_index: int
     audio_end_ms: int
+
+
+@dataclass
+class ItemRetrieve:
+    item_id: str
+
+
+@dataclass
+class ItemDelete:
+    item_id: str
+
+
+@dataclass
+class OutputClear:
+    """`output_audio_buffer.clear`: the client dropped what it had not played yet."""
 
 
 @dataclass
@@ -120,6 +151,9 @@ Action = (
     | ResponseCancel
     | ItemCreate
     | ItemTruncate
+    | ItemRetrieve
+    | ItemDelete
+    | OutputClear
     | PlaybackAck
     | SessionClose
     | Heartbeat
@@ -220,19 +254,48 @@ def _beta_format(v: object, path: str) -> None:
         raise invalid(f"{path}: only pcm16 is served, got {v!r}", path)
 
 
-def _turn_detection(d: dict[str, Any], key: str, path: str) -> bool | None:
-    """True: server_vad; False: null (manual commits); None: not given."""
+EAGERNESS = ("low", "medium", "high", "auto")
+
+
+def _bool(d: dict[str, Any], key: str, path: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"{path} must be true or false", path)
+    return v
+
+
+def _turn_detection(d: dict[str, Any], key: str, path: str) -> tuple[bool, TurnDetection | None] | None:
+    """(True, its settings): server_vad or semantic_vad; (False, None): null (manual commits);
+    None: not given."""
     if key not in d:
         return None
     v = d[key]
     if v is None:
-        return False
+        return False, None
     if not isinstance(v, dict):
         raise invalid(f"{path} must be an object or null", path)
-    kind = v.get("type")
+    kind = v.get("type", "server_vad")
     if kind not in ("server_vad", "semantic_vad"):
-        raise invalid(f"{path}.type must be server_vad (or semantic_vad, served as server_vad), got {kind!r}", f"{path}.type")
-    return True
+        raise invalid(f"{path}.type must be server_vad or semantic_vad, got {kind!r}", f"{path}.type")
+    threshold = v.get("threshold")
+    number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+    if threshold is not None and not (number and 0 <= threshold <= 1):
+        raise invalid(f"{path}.threshold must be a number from 0.0 to 1.0", f"{path}.threshold")
+    eagerness = _str(v, "eagerness", f"{path}.eagerness")
+    if eagerness is not None and eagerness not in EAGERNESS:
+        raise invalid(f"{path}.eagerness must be one of {', '.join(EAGERNESS)}, got {eagerness!r}", f"{path}.eagerness")
+    return True, TurnDetection(
+        semantic=kind == "semantic_vad",
+        threshold=None if threshold is None else float(threshold),
+        prefix_padding_ms=_int(v, "prefix_padding_ms", f"{path}.prefix_padding_ms"),
+        silence_duration_ms=_int(v, "silence_duration_ms", f"{path}.silence_duration_ms"),
+        idle_timeout_ms=_int(v, "idle_timeout_ms", f"{path}.idle_timeout_ms") if kind == "server_vad" else None,
+        eagerness=eagerness,
+        create_response=_bool(v, "create_response", f"{path}.create_response", True),
+        interrupt_response=_bool(v, "interrupt_response", f"{path}.interrupt_response", True),
+    )
 
 
 def _modalities(v: object, path: str) -> list[str] | None:
@@ -265,7 +328,8 @@ def _session_update(raw: dict[str, Any]) -> SessionUpdate:
         out = _obj(audio, "output", "session.audio.output") or {}
         up.input_rate = _format(inp.get("format"), "session.audio.input.format")
         up.output_rate = _format(out.get("format"), "session.audio.output.format")
-        up.server_vad = _turn_detection(inp, "turn_detection", "session.audio.input.turn_detection")
+        if (td := _turn_detection(inp, "turn_detection", "session.audio.input.turn_detection")) is not None:
+            up.server_vad, up.turn_detection = td
         up.transcription = _transcription(inp.get("transcription"), "session.audio.input.transcription")
     up.output_modalities = _modalities(s.get("output_modalities"), "session.output_modalities")
     if beta:
@@ -273,7 +337,7 @@ def _session_update(raw: dict[str, Any]) -> SessionUpdate:
         _beta_format(s.get("input_audio_format"), "session.input_audio_format")
         _beta_format(s.get("output_audio_format"), "session.output_audio_format")
         if (td := _turn_detection(s, "turn_detection", "session.turn_detection")) is not None:
-            up.server_vad = td
+            up.server_vad, up.turn_detection = td
         if s.get("sample_rate_hz") is not None:
             rate = _rate(s["sample_rate_hz"], "session.sample_rate_hz")
             up.input_rate, up.output_rate = up.input_rate or rate, up.output_rate or rate
@@ -295,7 +359,7 @@ def _response_create(raw: dict[str, Any]) -> ResponseCreate:
     mods = _modalities(r.get("output_modalities"), "response.output_modalities") or _modalities(
         r.get("modalities"), "response.modalities"
     )
-    return ResponseCreate(mods)
+    return ResponseCreate(mods, _obj(r, "metadata", "response.metadata"))
 
 
 def _item_create(raw: dict[str, Any]) -> ItemCreate:
@@ -339,6 +403,13 @@ def _truncate(raw: dict[str, Any]) -> ItemTruncate:
     return ItemTruncate(item_id, _int(raw, "content_index", "content_index") or 0, end)
 
 
+def _item_id(raw: dict[str, Any], kind: str) -> str:
+    item_id = _str(raw, "item_id", "item_id")
+    if not item_id:
+        raise invalid(f"{kind} needs `item_id`", "item_id")
+    return item_id
+
+
 def _playback_ack(raw: dict[str, Any]) -> PlaybackAck:
     keep = {k: v for k, v in raw.items() if k not in ("type", "event_id")}
     return PlaybackAck(keep)
@@ -364,6 +435,9 @@ _PARSERS: dict[str, Any] = {
     "response.cancel": _cancel,
     "conversation.item.create": _item_create,
     "conversation.item.truncate": _truncate,
+    "conversation.item.retrieve": lambda raw: ItemRetrieve(_item_id(raw, "conversation.item.retrieve")),
+    "conversation.item.delete": lambda raw: ItemDelete(_item_id(raw, "conversation.item.delete")),
+    "output_audio_buffer.clear": lambda raw: OutputClear(),
     "playback.ack": _playback_ack,
     "session.close": lambda raw: SessionClose(),
     "session.heartbeat": lambda raw: Heartbeat(),

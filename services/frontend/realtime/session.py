@@ -7,6 +7,12 @@ is resampled from the session's rate to the model's on the way in and back on th
 manual commits the buffer is held here until `input_audio_buffer.commit`, then sent as one
 piece. The model's outputs become realtime events through its `RealtimeMapping`.
 
+Turns: with server VAD the model's own turn-taking decides them (the session's settings
+reach it through the mapping's `set_turn_detection`) and, where the session says
+`create_response`, its reply starts a response. Otherwise (`create_response: false`, or
+manual commits) a reply the model begins is held here until the client's `response.create`,
+which it then fills: a commit alone starts nothing.
+
 Every event gets an `event_id` numbered in order (`event_<session>_<n>`, which is how a
 resuming client says what it last saw), and every response that is created ends with
 exactly one `response.done`: completed, cancelled (the client, or a barge-in), incomplete
@@ -36,9 +42,14 @@ from shared.sdk.realtime import (
     ReplyText,
     SpeechStarted,
     SpeechStopped,
+    TurnSettings,
+    TurnTaking,
 )
 
 KEEP_ITEMS = 64  # assistant items a truncate may name (the most recent ones)
+KEEP_CONVERSATION = 256  # conversation items a retrieve or delete may name (the most recent ones)
+MIN_COMMIT_MS = 100  # OpenAI's least committed audio (input_audio_buffer_commit_empty below it)
+HELD_MAX_EVENTS = 4096  # a held reply's model events (about 5 min of 80 ms audio); past it the rest is dropped
 
 
 class SessionState(enum.Enum):
@@ -121,6 +132,7 @@ class Response:
     item_id: str
     modalities: list[str]
     deadline: float
+    metadata: dict[str, Any] | None = None
     state: ResponseState = ResponseState.WAITING
     resampler: Resampler | None = None
     audio_samples: int = 0  # sent to the client, at the session's output rate
@@ -148,15 +160,18 @@ class RealtimeSession:
         self.state = SessionState.ACTIVE
         self.n = 0  # events emitted
         self.ids = 0  # response and item ids made
+        self.now = 0.0  # the clock of the last event in (handle, on_output, tick)
         # The session's settings (session.update).
         self.input_rate = ev.DEFAULT_RATE
         self.output_rate = ev.DEFAULT_RATE
         self.server_vad = True
+        self.turn = ev.TurnDetection()  # server VAD's settings, as the client gave them
         self.transcription: dict[str, Any] | None = None
         self.instructions = ""
         self.modalities = ["audio"]
         self.beta = False
         self.mapping.set_server_vad(True)
+        self.taking: TurnTaking = self.mapping.set_turn_detection(TurnSettings())
         self.resampler = Resampler(self.input_rate, limits.native_rate)
         # Input.
         self.buffer: list[np.ndarray] = []  # manual mode: held until commit, at the model's rate
@@ -166,12 +181,17 @@ class RealtimeSession:
         self.speech_item: str | None = None  # server VAD: the item of the turn being spoken
         self.input_item: str | None = None  # the item input transcripts are about
         self.partial = ""  # its partial transcript so far
+        self.awaiting = 0  # turns sent to the model that no reply has begun to answer yet
+        self.idle_at: float | None = None  # idle_timeout_ms: when it fires (None: not armed)
+        self.idle_from = 0  # the stream position the idle span began at
         # Output.
         self.response: Response | None = None
         self.dropping = False  # the model's current reply was cancelled: its outputs are dropped
         self.skip_next_reply = False  # a waiting response was cancelled: drop the next reply
-        self.unclaimed_replies = 0  # manual turns: a reply that began before its response.create (1 at most)
+        self.held: list[ModelEvent] | None = None  # a reply begun with no response to fill: for the next response.create
+        self.holding = False  # the model's current reply goes into `held`
         self.items: OrderedDict[str, int] = OrderedDict()  # assistant item -> audio ms sent (truncate)
+        self.conversation: OrderedDict[str, dict[str, Any]] = OrderedDict()  # item id -> item (retrieve, delete)
         self._out = Out()
 
     # -- emitting ----------------------------------------------------------------------
@@ -207,8 +227,36 @@ class RealtimeSession:
         # The SDK's type allows `rate` 24000 only; another rate is named in `sample_rate_hz`.
         return {"type": "audio/pcm", "rate": rate} if rate == ev.DEFAULT_RATE else {"type": "audio/pcm", "sample_rate_hz": rate}
 
+    @property
+    def auto_response(self) -> bool:
+        """A reply the model begins starts a response by itself (server VAD's create_response)."""
+        return self.server_vad and self.turn.create_response
+
+    def _turn_detection(self) -> dict[str, Any] | None:
+        """The turn detection in effect: the values the model's turn-taking runs with, and
+        (`unsupported`, our extension) each setting given that it cannot honour, with why."""
+        if not self.server_vad:
+            return None
+        t, taking = self.turn, self.taking
+        vad: dict[str, Any] = {"type": "semantic_vad" if t.semantic else "server_vad"}
+        if t.semantic:
+            vad["eagerness"] = t.eagerness or "auto"
+        else:
+            vad.update(
+                threshold=taking.threshold,
+                prefix_padding_ms=taking.prefix_padding_ms,
+                silence_duration_ms=taking.silence_duration_ms,
+                idle_timeout_ms=t.idle_timeout_ms,
+            )
+        vad.update(create_response=t.create_response, interrupt_response=t.interrupt_response, detector=taking.detector)
+        unsupported = dict(taking.unsupported)
+        if not t.interrupt_response and self.mapping.barges_in:
+            unsupported["interrupt_response"] = "the model stops its own reply when the caller talks over it"
+        if unsupported:
+            vad["unsupported"] = unsupported
+        return vad
+
     def session_object(self) -> dict[str, Any]:
-        vad = {"type": "server_vad", "create_response": True, "interrupt_response": True} if self.server_vad else None
         return {
             "type": "realtime",
             "object": "realtime.session",
@@ -217,7 +265,11 @@ class RealtimeSession:
             "output_modalities": list(self.modalities),
             "instructions": self.instructions,
             "audio": {
-                "input": {"format": self._format(self.input_rate), "turn_detection": vad, "transcription": self.transcription},
+                "input": {
+                    "format": self._format(self.input_rate),
+                    "turn_detection": self._turn_detection(),
+                    "transcription": self.transcription,
+                },
                 "output": {"format": self._format(self.output_rate)},
             },
             "resume_token": self.resume_token,
@@ -231,6 +283,7 @@ class RealtimeSession:
     # -- client events -----------------------------------------------------------------
     def handle(self, event: ev.ClientEvent, now: float) -> Out:
         a, eid = event.action, event.event_id
+        self.now = now
         if self.state is not SessionState.ACTIVE and not isinstance(a, ev.PlaybackAck | ev.Heartbeat):
             return self.error("session_closed", "the session is closing (session.close); no more input is taken", None, eid)
         if isinstance(a, ev.SessionUpdate):
@@ -242,13 +295,19 @@ class RealtimeSession:
         elif isinstance(a, ev.Clear):
             self._clear()
         elif isinstance(a, ev.ResponseCreate):
-            self._response_create(a, now)
+            self._response_create(a, eid)
         elif isinstance(a, ev.ResponseCancel):
             self._response_cancel(a, eid)
         elif isinstance(a, ev.ItemCreate):
             self._item_create(a, eid)
         elif isinstance(a, ev.ItemTruncate):
             self._truncate(a, eid)
+        elif isinstance(a, ev.ItemRetrieve):
+            self._retrieve(a.item_id, eid)
+        elif isinstance(a, ev.ItemDelete):
+            self._delete(a.item_id, eid)
+        elif isinstance(a, ev.OutputClear):
+            self._output_clear()
         elif isinstance(a, ev.PlaybackAck):
             self._emit("playback.acknowledged", **a.fields)
         elif isinstance(a, ev.Heartbeat):
@@ -276,6 +335,12 @@ class RealtimeSession:
             if u.server_vad and self.buffer:  # held audio joins the stream, uncommitted
                 self._send(np.concatenate(self.buffer), None)
                 self._drop_buffer()
+        if u.turn_detection is not None:
+            t = self.turn = u.turn_detection
+            self.taking = self.mapping.set_turn_detection(
+                TurnSettings(t.semantic, t.threshold, t.prefix_padding_ms, t.silence_duration_ms, t.eagerness)
+            )
+        self._arm_idle(0.0)
         if u.transcription is not None:
             self.transcription = u.transcription
         if u.instructions is not None:
@@ -322,22 +387,27 @@ class RealtimeSession:
     def _drop_buffer(self) -> None:
         self.buffer, self.buffered = [], 0
 
+    @staticmethod
+    def _too_small(ms: float) -> str:
+        # OpenAI's words: clients (LiveKit's plugin under server VAD) match on the code.
+        return (
+            "Error committing input audio buffer: buffer too small."
+            f" Expected at least {MIN_COMMIT_MS}ms of audio, but buffer only has {ms:.2f}ms of audio."
+        )
+
     def _commit(self, eid: str | None) -> None:
         if self.server_vad:
-            self._emit_error(
-                "invalid_value",
-                "turn detection is server_vad: the model commits turns itself (set turn_detection to null to commit)",
-                "type",
-                eid,
-            )
+            # Server VAD streams every append to the model, whose turn-taking commits: the buffer
+            # a client commits is always empty, as OpenAI's is once its VAD has committed it.
+            self._emit_error("input_audio_buffer_commit_empty", self._too_small(0.0), None, eid)
             return
         self._hold(self.resampler.flush())
-        if not self.buffered:
-            self._emit_error("input_audio_buffer_commit_empty", "the input audio buffer is empty", None, eid)
+        ms = self.buffered * 1000 / self.limits.native_rate
+        if ms < MIN_COMMIT_MS:
+            self._emit_error("input_audio_buffer_commit_empty", self._too_small(ms), None, eid)
             return
         pcm = np.concatenate(self.buffer)
         self._drop_buffer()
-        self.unclaimed_replies = 0  # a new turn: an earlier reply no longer answers a response.create
         item = self._new_id("item")
         self._send_turn(pcm, eid)
         self._emit("input_audio_buffer.committed", item_id=item, previous_item_id=self.last_item)
@@ -352,14 +422,21 @@ class RealtimeSession:
         pad = -(-(n + pad) // size) * size - n
         self._send(np.concatenate([pcm, np.zeros(pad, dtype=np.int16)]), eid)
         self.mapping.committed(start, n)
+        self.awaiting += 1
 
     def _user_item(self, item: str, content: list[dict[str, Any]], role: str = "user") -> None:
         body = {"id": item, "object": "realtime.item", "type": "message", "role": role, "status": "completed", "content": content}
         previous, self.last_item = self.last_item, item
+        self._remember(body)
         self._emit("conversation.item.added", previous_item_id=previous, item=body)
         if self.beta:
             self._emit("conversation.item.created", previous_item_id=previous, item=body)
         self._emit("conversation.item.done", previous_item_id=previous, item=body)
+
+    def _remember(self, item: dict[str, Any]) -> None:
+        self.conversation[item["id"]] = item
+        while len(self.conversation) > KEEP_CONVERSATION:
+            self.conversation.popitem(last=False)
 
     def _clear(self) -> None:
         if not self.server_vad:
@@ -367,20 +444,40 @@ class RealtimeSession:
             self._drop_buffer()
         self._emit("input_audio_buffer.cleared")
 
-    def _response_create(self, a: ev.ResponseCreate, now: float) -> None:
-        if self.response is not None:
-            return  # a response is coming already: it is the answer to this request too
-        if self.unclaimed_replies:
-            # The model answered the last committed turn before this request arrived (a quick
-            # model, a slow client): that response is this request's, not a second one.
-            self.unclaimed_replies = 0
+    def _response_create(self, a: ev.ResponseCreate, eid: str | None) -> None:
+        r = self.response
+        if r is not None:
+            self._emit_error(
+                "conversation_already_has_active_response",
+                f"Conversation already has an active response in progress: {r.id}."
+                " Wait until the response is finished before creating a new one.",
+                None,
+                eid,
+            )
             return
-        self._start_response(a.output_modalities or self.modalities, now + self.limits.response_wait_s)
+        modalities = a.output_modalities or self.modalities
+        if self.held is not None:  # the model's reply to the turn, held for this request
+            held, self.held = self.held, None
+            r = self._start_response(modalities, self.now, a.metadata)
+            r.move(ResponseState.SPEAKING)
+            # What the model said so far, then (where it has not ended) the rest as it comes.
+            self.holding = False
+            for m in held:
+                self._model_event(m)
+            return
+        if not self.awaiting:
+            # Nothing sent to the model waits for an answer: the served models take no prompt
+            # of their own, so the response is empty, at once (not incomplete seconds later).
+            self._start_response(modalities, self.now, a.metadata)
+            self._finish("completed")
+            return
+        self._start_response(modalities, self.now + self.limits.response_wait_s, a.metadata)
 
     def _response_cancel(self, a: ev.ResponseCancel, eid: str | None) -> None:
         r = self.response
         if r is None or (a.response_id is not None and a.response_id != r.id):
-            self._emit_error("response_cancel_not_active", "no response in progress to cancel", "response_id", eid)
+            # OpenAI's words: clients (LiveKit's plugin) stay quiet for this message only.
+            self._emit_error("response_cancel_not_active", "Cancellation failed: no active response found", "response_id", eid)
             return
         if r.state is ResponseState.SPEAKING:
             self.dropping = True
@@ -389,6 +486,9 @@ class RealtimeSession:
         self._finish("cancelled", reason="client_cancelled")
 
     def _item_create(self, a: ev.ItemCreate, eid: str | None) -> None:
+        if a.item_id is not None and a.item_id in self.conversation:
+            self._emit_error("item_create_duplicate_item_id", f"Item with id {a.item_id!r} already exists.", "item.id", eid)
+            return
         item = a.item_id or self._new_id("item")
         if a.role != "user":  # kept as a conversation item; the model takes no such input
             self._user_item(item, [{"type": "input_text", "text": a.text or ""}], role=a.role)
@@ -399,6 +499,7 @@ class RealtimeSession:
                 self._emit_error("invalid_value", f"model {self.model!r} takes no text input", "item.content", eid)
                 return
             self._act(SendText(a.text, eid))
+            self.awaiting += 1
             content.append({"type": "input_text", "text": a.text})
         if a.pcm is not None:
             self._send_turn(resample_pcm16(a.pcm, self.input_rate, self.limits.native_rate), eid)
@@ -409,12 +510,36 @@ class RealtimeSession:
     def _truncate(self, a: ev.ItemTruncate, eid: str | None) -> None:
         sent = self.items.get(a.item_id)
         if sent is None:
-            self._emit_error("invalid_value", f"no assistant audio item {a.item_id!r} to truncate", "item_id", eid)
+            why = f"no assistant audio item {a.item_id!r} to truncate"
+            self._emit_error("item_truncate_invalid_item_id", why, "item_id", eid)
             return
         if a.content_index != 0:
             self._emit_error("invalid_value", "content_index must be 0 (the item's audio)", "content_index", eid)
             return
         self._emit("conversation.item.truncated", item_id=a.item_id, content_index=0, audio_end_ms=min(a.audio_end_ms, sent))
+
+    def _retrieve(self, item_id: str, eid: str | None) -> None:
+        item = self.conversation.get(item_id)
+        if item is None:
+            self._emit_error("item_retrieve_invalid_item_id", f"no conversation item {item_id!r} to retrieve", "item_id", eid)
+            return
+        self._emit("conversation.item.retrieved", item=item)
+
+    def _delete(self, item_id: str, eid: str | None) -> None:
+        if self.conversation.pop(item_id, None) is None:
+            self._emit_error("item_delete_invalid_item_id", f"no conversation item {item_id!r} to delete", "item_id", eid)
+            return
+        self.items.pop(item_id, None)
+        if self.last_item == item_id:
+            self.last_item = next(reversed(self.conversation), None)
+        self._emit("conversation.item.deleted", item_id=item_id)
+
+    def _output_clear(self) -> None:
+        """The client's playback buffer is its own on a socket: nothing to drop here but what
+        is still held; the response goes on until `response.cancel` (Pipecat sends both)."""
+        r = self.response
+        self.held, self.holding = None, False
+        self._emit("output_audio_buffer.cleared", response_id=r.id if r is not None else None)
 
     def _close(self) -> None:
         self._drop_buffer()
@@ -423,20 +548,23 @@ class RealtimeSession:
 
     # -- model outputs -----------------------------------------------------------------
     def on_output(self, output: dict[str, Any], now: float) -> Out:
+        self.now = now
         if self.state is SessionState.CLOSED:
             return self._take()
         for m in self.mapping.on_output(output):
-            self._model_event(m, now)
+            self._model_event(m)
         return self._take()
 
-    def _model_event(self, m: ModelEvent, now: float) -> None:
+    def _model_event(self, m: ModelEvent) -> None:
         if isinstance(m, SpeechStarted | SpeechStopped):
             if self.server_vad:
                 self._speech(m)
         elif isinstance(m, InputTranscript):
             self._transcript(m)
         elif isinstance(m, ReplyStarted):
-            self._reply_started(now)
+            self._reply_started()
+        elif self.holding:
+            self._hold_reply(m)
         elif self.dropping or self.response is None or self.response.state is not ResponseState.SPEAKING:
             if isinstance(m, ReplyEnded | ReplyCut):
                 self.dropping = False
@@ -453,15 +581,35 @@ class RealtimeSession:
             self._emit("conversation.item.truncated", item_id=self.response.item_id, content_index=0, audio_end_ms=played)
             self._finish("cancelled", reason="turn_detected")
 
+    def _hold_reply(self, m: ModelEvent) -> None:
+        held = self.held
+        assert held is not None
+        if isinstance(m, ReplyCut):  # cut before anyone asked for it: nothing to answer with
+            self.held, self.holding = None, False
+            return
+        if len(held) < HELD_MAX_EVENTS or isinstance(m, ReplyEnded):
+            held.append(m)
+        if isinstance(m, ReplyEnded):
+            self.holding = False
+
     def _speech(self, m: SpeechStarted | SpeechStopped) -> None:
         ms = round(m.at_s * 1000)
         if isinstance(m, SpeechStarted):
+            self.idle_at = None
+            self.awaiting = 0  # a new turn: the model answers it, not the ones before
             self.speech_item = self._new_id("item")
             self.input_item, self.partial = self.speech_item, ""
             self._emit("input_audio_buffer.speech_started", audio_start_ms=ms, item_id=self.speech_item)
+            r = self.response
+            cut = self.turn.interrupt_response and not self.mapping.barges_in
+            if cut and r is not None and r.state is ResponseState.SPEAKING:
+                self.dropping = True  # the rest of the reply the caller talked over is dropped
+                self._finish("cancelled", reason="turn_detected")
             return
         item = self.speech_item or self._new_id("item")
         self.speech_item = None
+        self.awaiting += 1
+        self._arm_idle(0.0)
         self._emit("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item)
         self._emit("input_audio_buffer.committed", item_id=item, previous_item_id=self.last_item)
         self._user_item(item, [{"type": "input_audio", "transcript": None}])
@@ -473,6 +621,9 @@ class RealtimeSession:
         if item is None:
             return
         if m.final:
+            body = self.conversation.get(item)
+            if body is not None and body["content"] and body["content"][0].get("type") == "input_audio":
+                body["content"][0]["transcript"] = m.text
             self._emit(
                 "conversation.item.input_audio_transcription.completed",
                 item_id=item,
@@ -486,8 +637,9 @@ class RealtimeSession:
             delta, self.partial = m.text[len(self.partial) :], m.text
             self._emit("conversation.item.input_audio_transcription.delta", item_id=item, content_index=0, delta=delta)
 
-    def _reply_started(self, now: float) -> None:
+    def _reply_started(self) -> None:
         self.dropping = False
+        self.awaiting = max(0, self.awaiting - 1)
         if self.skip_next_reply:
             self.skip_next_reply, self.dropping = False, True
             return
@@ -495,20 +647,29 @@ class RealtimeSession:
         if r is not None and r.state is ResponseState.SPEAKING:
             self._finish("cancelled", reason="turn_detected")
             r = None
+        if r is None and not self.auto_response:
+            # No response asked for it yet: held for the client's response.create (a second
+            # reply before it joins the first, as one answer to the turns it covers).
+            if self.held is None:
+                self.held = []
+            elif self.held and isinstance(self.held[-1], ReplyEnded):
+                self.held.pop()
+            self.holding = True
+            return
         if r is None:
-            r = self._start_response(self.modalities, now)
-            if not self.server_vad:  # the client's response.create for this turn may come after it
-                self.unclaimed_replies = 1
+            r = self._start_response(self.modalities, self.now)
         r.move(ResponseState.SPEAKING)
 
-    def _start_response(self, modalities: list[str], deadline: float) -> Response:
-        r = Response(self._new_id("resp"), self._new_id("item"), list(modalities), deadline)
+    def _start_response(self, modalities: list[str], deadline: float, metadata: dict[str, Any] | None = None) -> Response:
+        self.idle_at = None
+        r = Response(self._new_id("resp"), self._new_id("item"), list(modalities), deadline, metadata)
         self.response = r
         self._emit("response.created", response=self._response_body(r, "in_progress"))
         self._emit("rate_limits.updated", rate_limits=[])
         item = self._assistant_item(r, "in_progress", with_content=False)
         self._emit("response.output_item.added", response_id=r.id, output_index=0, item=item)
         previous, self.last_item = self.last_item, r.item_id
+        self._remember(item)
         self._emit("conversation.item.added", previous_item_id=previous, item=item)
         if self.beta:
             self._emit("conversation.item.created", previous_item_id=previous, item=item)
@@ -551,6 +712,7 @@ class RealtimeSession:
             "conversation_id": f"conv_{self.sid}",
             "output_modalities": r.modalities,
             "audio": {"output": {"format": self._format(self.output_rate)}},
+            "metadata": r.metadata,
         }
         if status != "in_progress":
             body["usage"] = {
@@ -600,20 +762,54 @@ class RealtimeSession:
             self._emit("response.output_text.done", **ids, text=text)
         self._emit("response.content_part.done", **ids, part=self._part(r))
         item = self._assistant_item(r, "completed" if status == "completed" else "incomplete")
+        if r.item_id in self.conversation:
+            self._remember(item)
         self._emit("response.output_item.done", response_id=r.id, output_index=0, item=item)
         self._emit("conversation.item.done", previous_item_id=None, item=item)
         details = None if status == "completed" else {"type": status, "reason": reason, "error": error}
         self._emit("response.done", response=self._response_body(r, status, details))
+        # idle_timeout_ms counts from the end of the reply's playback (played in real time).
+        self._arm_idle(r.audio_samples / self.output_rate)
 
     # -- time and the call's end ---------------------------------------------------------
+    def _arm_idle(self, after_s: float) -> None:
+        """idle_timeout_ms (server VAD): armed after a response's audio and after a turn."""
+        t = self.turn.idle_timeout_ms
+        if not self.server_vad or t is None:
+            self.idle_at = None
+            return
+        self.idle_at = self.now + after_s + t / 1000
+        self.idle_from = self.stream_pos
+
+    def _idle_timeout(self) -> None:
+        """OpenAI's: the span since the last turn is committed as an (empty) user item and,
+        with create_response, answered by a response; the served models take no prompt of
+        their own, so it is an empty one."""
+        rate = self.limits.native_rate
+        item = self._new_id("item")
+        start_ms, end_ms = self.idle_from * 1000 // rate, self.stream_pos * 1000 // rate
+        self._emit("input_audio_buffer.timeout_triggered", audio_start_ms=start_ms, audio_end_ms=end_ms, item_id=item)
+        self._emit("input_audio_buffer.committed", item_id=item, previous_item_id=self.last_item)
+        self._user_item(item, [{"type": "input_audio", "transcript": None}])
+        if self.turn.create_response:
+            self._start_response(self.modalities, self.now)
+            self._finish("completed")
+        else:
+            self._arm_idle(0.0)
+
     def tick(self, now: float) -> Out:
+        self.now = now
         r = self.response
         if r is not None and r.state is ResponseState.WAITING and now >= r.deadline:
             wait = self.limits.response_wait_s
+            self.awaiting = 0
             self._finish(
                 "incomplete",
                 error={"type": "server_error", "code": "no_reply", "message": f"the model did not reply within {wait:g} s"},
             )
+        idle = self.idle_at is not None and now >= self.idle_at
+        if idle and self.state is SessionState.ACTIVE and self.response is None and self.speech_item is None and not self.holding:
+            self._idle_timeout()
         return self._take()
 
     def call_ended(self, status: int, message: str) -> Out:
