@@ -8,7 +8,7 @@ import logging
 from typing import Any, cast
 
 import pytest
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.frontend.realtime import endpoint
 from services.frontend.realtime.endpoint import EventSender, LiveSession, RealtimeHub
@@ -174,3 +174,63 @@ async def test_a_session_whose_client_is_not_reading_waits_for_a_resume(hub: Rea
     finally:
         await session.end("test over")
     assert not hub.detached
+
+
+class LeftSocket(StandInSocket):
+    """A socket whose client has left: a send or close raises as Starlette raises it then."""
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        raise WebSocketDisconnect(code=1006)
+
+
+async def test_closing_a_socket_whose_client_left_raises_and_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """Starlette turns the server's ClientDisconnected into WebSocketDisconnect: raised out of
+    the handler, uvicorn logged "Exception in ASGI application" for nearly every session."""
+    outbox = EventSender(as_ws(LeftSocket()), MAX_BYTES)
+    with caplog.at_level(logging.INFO):
+        await outbox.close(1001, "session detached")
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+class OneMessageSocket(StandInSocket):
+    """Receives one event, then waits as StandInSocket does."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message: str | None = message
+
+    async def receive(self) -> dict[str, Any]:
+        if self.message is not None:
+            text, self.message = self.message, None
+            return {"type": "websocket.receive", "text": text}
+        return await super().receive()
+
+
+async def test_a_bug_in_the_handler_goes_up_to_the_server_and_is_logged_once_there(
+    hub: RealtimeHub, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of our own is no client leaving: it is raised out of the handler (the ASGI
+    server logs it, once) and the endpoint logs nothing of it itself."""
+
+    async def broken(self: LiveSession, data: str | bytes) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(LiveSession, "handle", broken)
+    sock = OneMessageSocket('{"type": "session.heartbeat"}')
+    outbox = EventSender(as_ws(sock), MAX_BYTES)
+    session = live_session(hub)
+    session.attach(outbox)
+    with caplog.at_level(logging.DEBUG, logger="services.frontend"), pytest.raises(RuntimeError, match="a bug"):
+        await hub._run(as_ws(sock), outbox, session)
+    try:
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        await session.end("test over")
+
+
+def test_the_beta_interface_is_asked_for_by_header_or_by_subprotocol() -> None:
+    assert endpoint.asks_for_beta("realtime=v1", [])
+    assert endpoint.asks_for_beta("assistants=v2, Realtime=v1", [])
+    assert endpoint.asks_for_beta(None, ["realtime", "openai-beta.realtime-v1"])
+    assert not endpoint.asks_for_beta(None, ["realtime", "openai-insecure-api-key.x"])
+    assert not endpoint.asks_for_beta("assistants=v2", [])

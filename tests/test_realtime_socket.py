@@ -14,7 +14,7 @@ import websockets
 
 from services.frontend.realtime.session import event_number
 from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import MANUAL_16K, RT, audio_of, calls, check_responses, tone, wait_calls
+from tests.support.realtime import MANUAL_16K, RT, audio_of, calls, check_responses, tone, url, wait_calls
 from tests.support.stack import Stack, running_stack
 
 GRACE_S = 1.5
@@ -203,3 +203,42 @@ async def test_resume_with_an_unknown_token_is_an_error_and_the_new_session_goes
     done = await rt.next("response.done")
     assert audio_of(rt.seen, done["response"]["id"]) == clip.tobytes()
     await rt.close()
+
+
+async def test_the_beta_header_is_refused_at_once_with_a_clear_error(stack: Stack) -> None:
+    """The beta interface is not served (as OpenAI no longer serves it): a client asking for it
+    gets one error saying so and a close, before any session or call."""
+    async with websockets.connect(url(stack), additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+        err = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert err["type"] == "error" and err["error"]["code"] == "beta_api_not_supported", err
+        assert "OpenAI-Beta" in err["error"]["message"] and "GA" in err["error"]["message"]
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
+        assert ws.close_code == 1008
+    assert calls(stack) == 0
+
+
+async def test_clients_that_leave_log_no_error_on_the_frontend(stack: Stack) -> None:
+    """A clean close, a close right after connect, an abrupt drop and the SDK's own close: no
+    "Exception in ASGI application ... ClientDisconnected" (it was logged for nearly every
+    session), nor any other ERROR line, in the frontend's log."""
+    from openai import AsyncOpenAI
+
+    log = stack.procs["frontend-0"].log
+    start = log.stat().st_size
+    rt = await RT.open(stack)
+    await rt.next("session.created")
+    await rt.close()
+    quick = await websockets.connect(url(stack))
+    await quick.close()
+    dropped = await RT.open(stack)
+    await dropped.next("session.created")
+    dropped.ws.transport.abort()
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
+    async with client.realtime.connect(model="echo") as conn:
+        await conn.recv()
+    await wait_calls(stack, 0, timeout=GRACE_S + 10)  # the dropped ones end after the grace period
+    with open(log, "rb") as f:
+        f.seek(start)
+        written = f.read().decode(errors="replace")
+    assert "Exception in ASGI application" not in written and " ERROR " not in written, written[-3000:]

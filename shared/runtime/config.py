@@ -34,6 +34,8 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True):
 class RealtimeConfig(msgspec.Struct, forbid_unknown_fields=True):
     resume_grace_s: float = 30.0  # a dropped /v1/realtime socket may resume its session this long
     response_wait_s: float = 10.0  # a response made by response.create waits this long for the model's reply
+    # A session lives while its socket does (a waiting client is no idle one), up to this: OpenAI's 60 minutes.
+    max_session_s: float = 3600.0
 
 
 class AuthConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -128,6 +130,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "retention.max_bytes": self.retention.max_bytes,
             "retention.replicas": self.retention.replicas,
             "realtime.response_wait_s": self.realtime.response_wait_s,
+            "realtime.max_session_s": self.realtime.max_session_s,
         }
         for key, value in positive.items():
             if value <= 0:

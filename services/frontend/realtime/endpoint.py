@@ -55,6 +55,20 @@ CLOSE_FLUSH_S = 2.0  # how long a closing socket's queued events may take to go 
 _decode_reply = msgspec.json.Decoder().decode
 
 
+BETA_CODE = "beta_api_not_supported"
+BETA_MESSAGE = (
+    "The beta Realtime interface (OpenAI-Beta: realtime=v1) is not served: this endpoint speaks the GA"
+    " Realtime API. Connect without the OpenAI-Beta header (the openai SDK's client.realtime.connect,"
+    " not client.beta.realtime.connect)."
+)
+
+
+def asks_for_beta(header: str | None, subprotocols: list[str]) -> bool:
+    """The `OpenAI-Beta: realtime=v1` header, or the subprotocol browsers send for it."""
+    values = [v.strip().lower() for v in (header or "").split(",")]
+    return "realtime=v1" in values or "openai-beta.realtime-v1" in subprotocols
+
+
 def standalone_error(code: str, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
     """An error for a socket that has no session (refused at connect)."""
     body = {"type": kind, "code": code, "message": message, "param": None, "event_id": None}
@@ -156,8 +170,10 @@ class EventSender:
     async def _close_socket(self, code: int, reason: str) -> None:
         try:
             await self.ws.close(code, reason)
-        except (RuntimeError, OSError) as e:  # gone already (closed, or the client left)
-            log.debug("closing a realtime socket (%d %s): %s", code, reason, e)
+        # Gone already: closed, or the client left (Starlette turns the server's
+        # ClientDisconnected into WebSocketDisconnect): nothing for uvicorn to log as an error.
+        except (WebSocketDisconnect, RuntimeError, OSError) as e:
+            log.debug("closing a realtime socket (%d %s): %r", code, reason, e)
 
 
 class LiveSession:
@@ -243,9 +259,20 @@ class LiveSession:
                 self.deliver(self.core.error("invalid_value", told(e), None, eid))
 
     async def _ticks(self) -> None:
+        started = time.monotonic()
+        limit = self.svc.config.realtime.max_session_s
         while self.core.state is not SessionState.CLOSED:
             await asyncio.sleep(TICK_S)
-            self.deliver(self.core.tick(time.monotonic()))
+            now = time.monotonic()
+            call = self.call
+            if call is not None and self.outbox is not None:
+                # A session lives while its socket does (the server's pings find a dead client):
+                # a client that waits is no idle call for request_timeout_s.
+                call.input.touch(now)
+            if call is not None and now - started >= limit and not call.ended.is_set():
+                why = f"the session reached its maximum duration of {limit:g} s (realtime.max_session_s)"
+                await self.svc.abort(call, why, 408, tell_client=True)
+            self.deliver(self.core.tick(now))
 
     async def handle(self, data: str | bytes) -> None:
         limit = self.svc.config.max_message_bytes
@@ -361,8 +388,17 @@ class RealtimeHub:
     async def serve(self, ws: WebSocket, subprotocol: str | None = None, share: Share | None = None) -> None:
         """One socket from accept to close (accepted with `subprotocol`: the one that carried
         its token); its session's call counts against `share`."""
-        await ws.accept(subprotocol=subprotocol)
+        try:
+            await ws.accept(subprotocol=subprotocol)
+        except WebSocketDisconnect:  # the client left during the handshake: nothing to serve or log
+            return
         outbox = EventSender(ws, self.svc.config.max_send_buffer_bytes, self._overflowed)
+        if asks_for_beta(ws.headers.get("openai-beta"), ws.scope.get("subprotocols", [])):
+            # Refused at once, as OpenAI now refuses its beta interface: a beta client would
+            # read none of the GA events (the SDK's beta client got no audio at all).
+            outbox.send(to_json(standalone_error(BETA_CODE, BETA_MESSAGE)))
+            await outbox.close(1008, "beta interface not served")
+            return
         name = ws.query_params.get("model") or self.svc.default_model
         try:
             model = self.svc.model(name)
