@@ -1,7 +1,8 @@
 """`voice_assistant` over `WS /v1/realtime` with the official `openai` SDK as the client,
 against a real stack: a spoken clip (piper, seeded) at 24 kHz, streamed in real time, comes
 back as an input transcript and a response with reply audio, with server VAD and with
-manual commits. Every event is validated by the SDK's typed event models."""
+manual commits; and openai-agents' RealtimeRunner over two spoken turns. Every event is
+validated by the SDK's typed event models."""
 
 from __future__ import annotations
 
@@ -103,3 +104,56 @@ async def test_spoken_clip_with_manual_commit(stack: Stack, clip: np.ndarray) ->
     assert "input_audio_buffer.speech_started" not in kinds  # manual: the client's commit is the turn
     assert kinds.count("input_audio_buffer.committed") == 1
     check_reply(events, done)
+
+
+async def test_openai_agents_realtime_runner_holds_two_spoken_turns(stack: Stack, clip: np.ndarray) -> None:
+    """openai-agents' RealtimeRunner (its defaults: semantic_vad, served by silero-vad; 24 kHz)
+    over two spoken turns. After each final transcript it retrieves the turn's item, which
+    was an unknown event: its second turn failed with a RealtimeError."""
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    runner = RealtimeRunner(RealtimeAgent(name="assistant", instructions="Say what you heard."))
+    url = f"ws://127.0.0.1:{stack.ports[0]}/v1/realtime?model=voice_assistant"
+    session = await runner.run(model_config={"url": url, "api_key": "unused"})
+    events: list[Any] = []
+    server: list[dict[str, Any]] = []
+    ends = 0
+    turn = np.concatenate([silence(0.3, RATE), clip, silence(1.2, RATE)])
+
+    async def speak() -> None:
+        for k in range(2):
+            step = RATE // 50
+            for i in range(0, len(turn), step):  # 20 ms appends at twice real time
+                await session.send_audio(turn[i : i + step].tobytes())
+                await asyncio.sleep(0.01)
+            while ends <= k:
+                await asyncio.sleep(0.05)
+
+    async def listen() -> None:
+        nonlocal ends
+        async for e in session:
+            events.append(e)
+            if e.type == "raw_model_event" and e.data.type == "raw_server_event":
+                check_event(e.data.data)
+                server.append(e.data.data)
+            if e.type == "agent_end":
+                ends += 1
+                if ends == 2:
+                    return
+
+    async with session:
+        speaker = asyncio.create_task(speak())
+        try:
+            await asyncio.wait_for(listen(), 60)
+            await asyncio.wait_for(speaker, 5)
+        finally:
+            speaker.cancel()
+    assert [e for e in events if e.type == "error"] == []
+    kinds = [e["type"] for e in server]
+    assert kinds.count("conversation.item.input_audio_transcription.completed") == 2
+    assert kinds.count("conversation.item.retrieved") >= 1
+    heard = [e["transcript"] for e in server if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert all("mother" in t.split() for t in heard), heard
+    statuses = [e["response"]["status"] for e in server if e["type"] == "response.done"]
+    assert statuses == ["completed", "completed"], statuses
+    check_responses(server)
