@@ -1,8 +1,8 @@
 """`voice_assistant` over `WS /v1/realtime` with the official `openai` SDK as the client,
 against a real stack: a spoken clip (piper, seeded) at 24 kHz, streamed in real time, comes
 back as an input transcript and a response with reply audio, with server VAD and with
-manual commits; and openai-agents' RealtimeRunner over two spoken turns. Every event is
-validated by the SDK's typed event models."""
+manual commits; openai-agents' RealtimeRunner over two spoken turns; LiveKit's plugin with a
+turn interrupted mid-reply. Every event is validated by the SDK's typed event models."""
 
 from __future__ import annotations
 
@@ -157,3 +157,57 @@ async def test_openai_agents_realtime_runner_holds_two_spoken_turns(stack: Stack
     statuses = [e["response"]["status"] for e in server if e["type"] == "response.done"]
     assert statuses == ["completed", "completed"], statuses
     check_responses(server)
+
+
+async def test_livekit_plugin_turn_reply_and_interruption(stack: Stack, clip: np.ndarray) -> None:
+    """LiveKit's OpenAI plugin (its defaults: semantic_vad, create_response, 24 kHz) with no
+    LiveKit room: a spoken turn answered by the server's turn-taking, then interrupted mid-reply
+    as LiveKit does when the user talks over the agent (response.cancel, then a truncate at
+    what was played); generate_reply gets its response.created. No error event, nothing
+    logged at ERROR."""
+    import logging
+
+    from livekit import rtc
+    from livekit.plugins.openai.realtime import RealtimeModel
+
+    model = RealtimeModel(base_url=f"http://127.0.0.1:{stack.ports[0]}/v1", model="voice_assistant", api_key="unused")
+    session = model.session()
+    server: list[dict[str, Any]] = []
+    errors: list[Any] = []
+    session.on("openai_server_event_received", server.append)
+    session.on("error", errors.append)
+
+    async def seen(kind: str, timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not (matching := [e for e in server if e["type"] == kind]):
+            assert time.monotonic() < deadline, f"no {kind}: {[e['type'] for e in server]}"
+            await asyncio.sleep(0.02)
+        return matching[0]
+
+    logger = logging.getLogger("livekit")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        pcm = np.concatenate([silence(0.3, RATE), clip, silence(1.2, RATE)])
+        step = RATE // 10
+        for i in range(0, len(pcm), step):  # 100 ms frames at twice real time
+            piece = pcm[i : i + step]
+            session.push_audio(rtc.AudioFrame(piece.tobytes(), RATE, 1, len(piece)))
+            await asyncio.sleep(0.05)
+        first = await seen("response.output_audio.delta")
+        session.interrupt()
+        session.truncate(message_id=first["item_id"], modalities=["audio"], audio_end_ms=100)
+        done = await seen("response.done")
+        assert done["response"]["status"] == "cancelled", done
+        assert (await seen("conversation.item.truncated"))["audio_end_ms"] == 100
+        created = await asyncio.wait_for(session.generate_reply(), 10)
+        assert created.user_initiated
+        await asyncio.sleep(0.2)
+        assert errors == [] and records == [], (errors, records)
+        check_responses(server, closed=False)
+    finally:
+        logger.removeHandler(handler)
+        await session.aclose()
+        await model.aclose()
