@@ -159,7 +159,9 @@ async def test_openai_agents_realtime_runner_holds_two_spoken_turns(stack: Stack
     check_responses(server)
 
 
-async def test_livekit_plugin_turn_reply_and_interruption(stack: Stack, clip: np.ndarray) -> None:
+async def test_livekit_plugin_turn_reply_and_interruption(
+    stack: Stack, clip: np.ndarray, caplog: pytest.LogCaptureFixture
+) -> None:
     """LiveKit's OpenAI plugin (its defaults: semantic_vad, create_response, 24 kHz) with no
     LiveKit room: a spoken turn answered by the server's turn-taking, then interrupted mid-reply
     as LiveKit does when the user talks over the agent (response.cancel, then a truncate at
@@ -184,11 +186,7 @@ async def test_livekit_plugin_turn_reply_and_interruption(stack: Stack, clip: np
             await asyncio.sleep(0.02)
         return matching[0]
 
-    logger = logging.getLogger("livekit")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.ERROR)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
+    caplog.set_level(logging.WARNING, logger="livekit")
     try:
         pcm = np.concatenate([silence(0.3, RATE), clip, silence(1.2, RATE)])
         step = RATE // 10
@@ -205,9 +203,9 @@ async def test_livekit_plugin_turn_reply_and_interruption(stack: Stack, clip: np
         created = await asyncio.wait_for(session.generate_reply(), 10)
         assert created.user_initiated
         await asyncio.sleep(0.2)
+        records = [r for r in caplog.records if r.name.startswith("livekit") and r.levelno >= logging.ERROR]
         assert errors == [] and records == [], (errors, records)
         check_responses(server, closed=False)
     finally:
-        logger.removeHandler(handler)
         await session.aclose()
         await model.aclose()
