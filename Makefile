@@ -45,9 +45,10 @@ system-deps:
 	@bash scripts/system-deps.sh
 
 # -rs: a skipped test says why in one line (a compose test with no engine to run on, a
-# browser test with no chromium), never silently. scripts/test.sh runs ruff and mypy beside the
-# modules that are not heavy (two xdist workers), then the heavy ones (tests/conftest.py) in two
-# lanes side by side. A run that ARGS leaves no test after the split is no failure.
+# browser test with no chromium), never silently. scripts/test.sh runs the modules that are not
+# heavy (two xdist workers) beside the container tests, then the heavy ones (tests/conftest.py) in
+# two lanes side by side with ruff and mypy after the timed one, then the browser alone. A run
+# that ARGS leaves no test after the split is no failure.
 test: $(STAMP) system-deps
 	PY=$(PY) bash scripts/test.sh $(ARGS)
 

@@ -2,16 +2,16 @@
 # `make test`: every test, in the least time two cores allow without one test stretching
 # another's time bounds (docs/testing.md, "How `make test` runs the suite").
 #   1. the modules that are not heavy, over two xdist workers, a module to a worker (its stack
-#      booted once);
+#      booted once), the slowest handed out first (tests/conftest.py SLOW_FIRST); beside them the
+#      container tests (HEAVY_DOCKER), which mostly wait on the Docker engine;
 #   2. the heavy modules in two lanes side by side, one module at a time in each: the CPU-bound
 #      ones (tests/conftest.py HEAVY_CPU), and the ones bounded by real time (HEAVY_TIMED),
-#      then ruff and mypy: that lane ends about 90 s before the other, so the lint takes a core
-#      left idle instead of adding its minute (beside step 1 it stretched step 1 by as much);
+#      then ruff and mypy, on the core that lane leaves idle;
 #   3. the heavy modules that need the machine to themselves (HEAVY_ALONE: the browser's real-time
 #      conversation), alone.
-# A lane's output is printed whole when it ends (two lanes interleaved line by line could not be
-# read). Every run runs even after a failure, so one CI run shows every failure; the exit status
-# is the first failure's. Arguments go to every pytest run (`make test ARGS=tests/test_x.py`).
+# A lane beside another is printed whole when it ends (two lanes interleaved line by line could
+# not be read). Every run runs even after a failure, so one CI run shows every failure; the exit
+# status is the first failure's. Arguments go to every pytest run (`make test ARGS=tests/test_x.py`).
 # LINT=0 leaves ruff and mypy out (a quick local run of a few modules).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +22,13 @@ status=0
 failed() { [ "$status" -ne 0 ] || status=$1; }
 pytest() { "$PY" -m pytest -q -rs --durations=15 "$@"; }
 
-echo "== the modules that are not heavy (two xdist workers)"
-pytest -n 2 --dist loadfile -m "not heavy" "$@" || failed $?
+echo "== the modules that are not heavy (two xdist workers), beside the container tests (printed when they end)"
+pytest -m heavy_docker "$@" >"$logs/docker" 2>&1 &
+docker=$!
+pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy" "$@" || failed $?
+wait "$docker" || failed $?
+echo "== the container tests"
+cat "$logs/docker"
 
 echo "== the heavy modules, two lanes: bounded by real time, then the lint (printed when it ends); CPU-bound"
 (
@@ -36,7 +41,7 @@ echo "== the heavy modules, two lanes: bounded by real time, then the lint (prin
   exit "$lane"
 ) >"$logs/timed" 2>&1 &
 timed=$!
-pytest -m "heavy and not heavy_timed and not heavy_alone" "$@" || failed $?
+pytest -m "heavy and not heavy_timed and not heavy_alone and not heavy_docker" "$@" || failed $?
 wait "$timed" || failed $?
 echo "== the heavy modules bounded by real time"
 cat "$logs/timed"

@@ -70,11 +70,8 @@ HEAVY_CPU = frozenset(
 HEAVY_TIMED = frozenset(
     {
         "test_cluster",
-        "test_compose",
         "test_conductor_faults",
         "test_conductor_liveness",
-        "test_container_cleanup",
-        "test_container_nats",
         "test_frontend_limits",
         "test_make_up",
         "test_nats_pause",
@@ -86,7 +83,34 @@ HEAVY_TIMED = frozenset(
 # reply's end twice in five runs (and once beside other jobs); alone it has not. It runs after
 # both lanes, marked heavy_alone.
 HEAVY_ALONE = frozenset({"test_browser"})
-HEAVY = HEAVY_CPU | HEAVY_TIMED | HEAVY_ALONE
+# The container tests: mostly waiting on the Docker engine (an image built, containers started
+# and stopped), a fifth of a core in all, with bounds of minutes (an engine installed on a new
+# machine). They run beside the first step, in a lane of their own (marked heavy_docker), which
+# takes their 100 s off the timed lane.
+HEAVY_DOCKER = frozenset({"test_compose", "test_container_cleanup", "test_container_nats"})
+HEAVY = HEAVY_CPU | HEAVY_TIMED | HEAVY_ALONE | HEAVY_DOCKER
+
+# The first step's slowest modules (wall seconds in one run, set-up included), handed out
+# first: xdist gives out modules in order (--no-loadscope-reorder), and one that starts last
+# keeps a worker busy after the other has run out of work. The rest follow in file order.
+SLOW_FIRST = {
+    "test_up_lifecycle": 135,
+    "test_eval_e2e": 69,
+    "test_replay": 62,
+    "test_faults": 46,
+    "test_scale_out": 40,
+    "test_eval_fake_servers": 36,
+    "test_slow_reader": 33,
+    "test_check_model_voice": 28,
+    "test_frontend_lifecycle": 24,
+    "test_rolling_upgrade": 22,
+    "test_cli_up_supervisor": 18,
+    "test_browser_page": 18,
+    "test_backbone": 18,
+    "test_observability": 16,
+    "test_realtime_limits": 14,
+    "test_tiny_duplex": 13,
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -98,6 +122,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.heavy_timed)
         if item.path.stem in HEAVY_ALONE:
             item.add_marker(pytest.mark.heavy_alone)
+        if item.path.stem in HEAVY_DOCKER:
+            item.add_marker(pytest.mark.heavy_docker)
+    items.sort(key=lambda item: -SLOW_FIRST.get(item.path.stem, 0))  # stable: a module's order kept
 
 
 @pytest.fixture(autouse=True)
@@ -106,8 +133,10 @@ def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: py
         tiers.forbid_processes(monkeypatch, request.node.nodeid)
 
 
-# The runs of `make test` (scripts/test.sh): the rest, then the two heavy lanes.
-SPLIT = frozenset({"not heavy", "heavy and not heavy_timed and not heavy_alone", "heavy_timed", "heavy_alone"})
+# The runs of `make test` (scripts/test.sh): the rest beside the container tests, then the two
+# heavy lanes, then the browser alone.
+CPU_LANE = "heavy and not heavy_timed and not heavy_alone and not heavy_docker"
+SPLIT = frozenset({"not heavy", CPU_LANE, "heavy_timed", "heavy_alone", "heavy_docker"})
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
