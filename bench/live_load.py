@@ -131,8 +131,12 @@ async def socket_calls(
     stats: dict[str, Any],
     tag: str,
     ramp_s: float,
+    start_at: float | None = None,
+    record: Callable[[str, int, float, float], None] | None = None,
 ) -> None:
-    """n live calls on one socket, each paced at one frame per 80 ms."""
+    """n live calls on one socket, each paced at one frame per 80 ms. The calls open at random
+    over `ramp_s` from `start_at` (loop time; None: once the socket is open). `record` is told
+    of each output: (request_id, frame, when its append was sent, lag), both in seconds."""
     loop = asyncio.get_running_loop()
     decoder = msgspec.json.Decoder(_Reply)
     frame = b64_pcm16(np.zeros(FRAME, dtype="<i2"))
@@ -147,7 +151,10 @@ async def socket_calls(
         if m.output is not None:
             k, times = m.output.frame, sent.get(rid, [])
             if 0 <= k < len(times):
-                (lags if k >= WARMUP_FRAMES else warm).append(time.monotonic() - times[k])
+                lag = time.monotonic() - times[k]
+                (lags if k >= WARMUP_FRAMES else warm).append(lag)
+                if record is not None:
+                    record(rid, k, times[k], lag)
         elif m.error is not None and m.append:
             stats["append_errors"] = stats.get("append_errors", 0) + 1
             stats.setdefault("last_error", m.error)
@@ -171,7 +178,7 @@ async def socket_calls(
         rid: ws_frame(json.dumps({"request_id": rid, "append": [{"name": "f.pcm", "data": frame}]}).encode()) for rid in rids
     }
     end = {rid: ws_frame(json.dumps({"request_id": rid, "end_input": True}).encode()) for rid in rids}
-    now = loop.time()
+    now = loop.time() if start_at is None else start_at
     # (when, rid) of each call's next message, earliest first: a tick pops only what is due.
     due = [(now + random.random() * max(PERIOD, ramp_s), rid) for rid in rids]  # calls arrive over the ramp
     heapq.heapify(due)

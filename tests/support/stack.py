@@ -265,9 +265,13 @@ class UpStack(Served):
         folder: Path | None = None,
         log_level: str | None = "WARNING",
         nats_url: str | None = None,
+        source: Path | None = None,
     ) -> None:
         """`nats_url`: a NATS of the caller's (a cluster's URLs, comma-separated) instead of
-        the embedded server."""
+        the embedded server. `source`: run the code of that source tree (a checkout of another
+        commit, for a benchmark's baseline) instead of this one's: `up` and every process it
+        starts import the project's packages from there (its folder is the first on their path),
+        with this environment's interpreter and dependencies."""
         self.port = free_port()
         self.ports = [self.port]
         self.frontends = frontends
@@ -286,7 +290,9 @@ class UpStack(Served):
             env["DUPLEXBUS_LOG"] = log_level
         if nats_url:
             env["NATS_URL"] = nats_url
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        if source is not None:
+            env = from_source(env, source)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=source)
         try:
             # `up` prints its serving line once every frontend answers and every worker heartbeats.
             self.wait_for("serving", unless="did not become ready")
@@ -362,6 +368,13 @@ class UpStack(Served):
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def from_source(env: dict[str, str], source: Path) -> dict[str, str]:
+    """`env` for a Python process (run in `source`) that imports the project's packages from the
+    source tree `source` instead of this one: it goes first on the path, ahead of the editable
+    install's finder, which is asked only for what the path does not hold."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(source), *filter(None, [env.get("PYTHONPATH")])])}
 
 
 def _role(argv: list[bytes]) -> str:
