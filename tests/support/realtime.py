@@ -191,3 +191,18 @@ async def sdk_echo_is_byte_exact(port: int) -> None:
         assert done["response"]["status"] == "completed", done
         assert audio_of(events, done["response"]["id"]) == clip.tobytes()
     check_responses(events)
+
+
+def agents_realtime() -> Any:
+    """openai-agents' `agents.realtime`, with uvicorn left as it was: importing it imports
+    sse_starlette (through mcp), which replaces `uvicorn.Server.handle_exit` in the whole
+    process, and a test after it in the same process (tests/test_dependencies.py reads
+    uvicorn's own methods) would see sse_starlette's."""
+    from uvicorn import Server
+
+    original = Server.handle_exit
+    try:
+        from agents import realtime
+    finally:
+        Server.handle_exit = original  # type: ignore[method-assign]
+    return realtime

@@ -190,6 +190,7 @@ class RealtimeSession:
         self.skip_next_reply = False  # a waiting response was cancelled: drop the next reply
         self.held: list[ModelEvent] | None = None  # a reply begun with no response to fill: for the next response.create
         self.holding = False  # the model's current reply goes into `held`
+        self.last_response: str | None = None  # the id of the last response made
         self.items: OrderedDict[str, int] = OrderedDict()  # assistant item -> audio ms sent (truncate)
         self.conversation: OrderedDict[str, dict[str, Any]] = OrderedDict()  # item id -> item (retrieve, delete)
         self._out = Out()
@@ -536,10 +537,14 @@ class RealtimeSession:
 
     def _output_clear(self) -> None:
         """The client's playback buffer is its own on a socket: nothing to drop here but what
-        is still held; the response goes on until `response.cancel` (Pipecat sends both)."""
-        r = self.response
+        is still held; the response goes on until `response.cancel` (Pipecat sends both).
+        `cleared` names the response in progress, or the last one (the SDK's type needs one;
+        with none yet there is nothing it could be about, and none is sent)."""
         self.held, self.holding = None, False
-        self._emit("output_audio_buffer.cleared", response_id=r.id if r is not None else None)
+        r = self.response
+        rid = r.id if r is not None else self.last_response
+        if rid is not None:
+            self._emit("output_audio_buffer.cleared", response_id=rid)
 
     def _close(self) -> None:
         self._drop_buffer()
@@ -663,7 +668,7 @@ class RealtimeSession:
     def _start_response(self, modalities: list[str], deadline: float, metadata: dict[str, Any] | None = None) -> Response:
         self.idle_at = None
         r = Response(self._new_id("resp"), self._new_id("item"), list(modalities), deadline, metadata)
-        self.response = r
+        self.response, self.last_response = r, r.id
         self._emit("response.created", response=self._response_body(r, "in_progress"))
         self._emit("rate_limits.updated", rate_limits=[])
         item = self._assistant_item(r, "in_progress", with_content=False)
