@@ -194,7 +194,7 @@ async def sdk_echo_is_byte_exact(port: int) -> None:
 
 
 def agents_realtime() -> Any:
-    """openai-agents' `agents.realtime`, with uvicorn left as it was: importing it imports
+    """openai-agents' `agents.realtime`, tracing off, with uvicorn left as it was: importing it imports
     sse_starlette (through mcp), which replaces `uvicorn.Server.handle_exit` in the whole
     process, and a test after it in the same process (tests/test_dependencies.py reads
     uvicorn's own methods) would see sse_starlette's."""
@@ -202,7 +202,8 @@ def agents_realtime() -> Any:
 
     original = Server.handle_exit
     try:
-        from agents import realtime
+        from agents import realtime, set_tracing_disabled
     finally:
         Server.handle_exit = original  # type: ignore[method-assign]
+    set_tracing_disabled(True)  # its traces would go to OpenAI's servers, from a thread of its own
     return realtime
