@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import random
+import wave
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -13,7 +16,8 @@ from models.echo import FRAME, EchoModel
 from services.frontend.calls import CallInput, InputState, Prepared
 from services.frontend.protocol import AbortCall, Append, EndInput, Opening, ParseError, parse_message
 from shared.runtime.errors import BadRequest, LimitExceeded
-from shared.sdk.audio import Framer, encode_wav
+from shared.sdk import audio
+from shared.sdk.audio import Framer, _read_wav_module, encode_wav, read_wav
 from shared.sdk.model import ClientFile, ClientInput
 from tests.protocol_model import AUX_FRAME, DuoModel
 
@@ -369,3 +373,55 @@ def test_model_kwargs_nest_at_most_32_deep() -> None:
     deep = parse({"request_id": "r", "model_kwargs": nested(33)})
     assert isinstance(deep, ParseError) and "model_kwargs nest deeper than 32 levels" in deep.error.message
     assert isinstance(parse({"request_id": "r", "append": {"model_kwargs": nested(40)}}), ParseError)
+
+
+def _wav_variants() -> list[bytes]:
+    """Canonical WAVs of several formats and lengths, and each with one header field or its
+    length changed (what other writers make, and malformed files)."""
+    rng = random.Random(7)
+    out = []
+    for channels, width, rate, frames in [
+        (1, 2, 16000, 1280),
+        (2, 2, 8000, 3),
+        (1, 1, 16000, 5),
+        (1, 3, 44100, 2),
+        (1, 2, 16000, 0),
+    ]:
+        with io.BytesIO() as buf:
+            with wave.open(buf, "wb") as w:
+                w.setnchannels(channels)
+                w.setsampwidth(width)
+                w.setframerate(rate)
+                w.writeframes(rng.randbytes(frames * channels * width))
+            out.append(buf.getvalue())
+    base = out[0]
+    for at, size in [(4, 4), (16, 4), (20, 2), (22, 2), (24, 4), (34, 2), (40, 4)]:  # sizes, tag, channels, rate, bits
+        for value in (0, 1, 17, 2 ** (8 * size) - 1):
+            out.append(base[:at] + value.to_bytes(size, "little") + base[at + size :])
+    for at in (0, 8, 12, 36):  # the chunk names
+        out.append(base[:at] + b"LIST" + base[at + 4 :])
+    n = int.from_bytes(base[40:44], "little")
+    odd = base[:40] + (n - 1).to_bytes(4, "little") + base[44:-1]  # a data chunk of an odd size
+    out += [base[:-1], base + b"\0", base[:43], odd, odd[:4] + (len(odd) - 8).to_bytes(4, "little") + odd[8:]]
+    return out
+
+
+def _read_either(read: Callable[[bytes], object], data: bytes) -> object:
+    try:
+        return read(data)
+    except Exception as e:  # WAV_ERRORS, and what else the wave module raises on a malformed file
+        return type(e), str(e)
+
+
+def test_a_wav_reads_as_the_wave_module_reads_it_whatever_its_header() -> None:
+    for data in _wav_variants():
+        assert _read_either(read_wav, data) == _read_either(_read_wav_module, data), data[:44]
+
+
+def test_a_canonical_wav_is_read_without_the_wave_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(data: bytes) -> object:
+        raise AssertionError("read by the wave module")
+
+    monkeypatch.setattr(audio, "_read_wav_module", refuse)
+    samples = np.arange(-640, 640, dtype="<i2")
+    assert np.array_equal(audio.decode_audio_file("mic.wav", encode_wav(samples, 16000), 16000), samples)

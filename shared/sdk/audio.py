@@ -33,8 +33,29 @@ def decode_audio_file(name: str, data: bytes, sample_rate: int) -> np.ndarray:
 WAV_ERRORS = (wave.Error, EOFError, struct.error)  # what reading a malformed WAV raises
 
 
+# The canonical PCM WAV a client wraps each chunk of audio in: RIFF, WAVE, a 16-byte fmt chunk,
+# the data chunk, nothing else, every size exact. Read field by field: the wave module's reader
+# took a third of the frontend's time per append of a live call sending WAVs.
+_CANONICAL = struct.Struct("<4sI4s4sIHHIIHH4sI")
+_HEADER = _CANONICAL.size  # 44
+_PCM = 1
+
+
 def read_wav(data: bytes) -> tuple[int, int, int, bytes]:
-    """(channels, sample width in bytes, rate, frame bytes) of a WAV file; raises WAV_ERRORS."""
+    """(channels, sample width in bytes, rate, frame bytes) of a WAV file; raises WAV_ERRORS.
+    Frame bytes are whole frames, as the wave module reads them; a file of any other layout
+    (and every malformed one) is read by that module, so its reading is the rule for all."""
+    if len(data) >= _HEADER:
+        riff, size, form, fmt, fmt_size, tag, channels, rate, _, _, bits, name, n = _CANONICAL.unpack_from(data)
+        exact = size + 8 == len(data) == _HEADER + n and fmt_size == 16
+        if exact and (riff, form, fmt, name, tag) == (b"RIFF", b"WAVE", b"fmt ", b"data", _PCM) and channels and bits:
+            width = (bits + 7) // 8
+            frame = channels * width
+            return channels, width, rate, data[_HEADER : _HEADER + n // frame * frame]
+    return _read_wav_module(data)
+
+
+def _read_wav_module(data: bytes) -> tuple[int, int, int, bytes]:
     with wave.open(io.BytesIO(data), "rb") as w:
         return w.getnchannels(), w.getsampwidth(), w.getframerate(), w.readframes(w.getnframes())
 
