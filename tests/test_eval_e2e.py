@@ -74,6 +74,7 @@ async def test_echo_over_realtime_is_byte_exact(echo_stack: Stack, tmp_path: Pat
     proc = await asyncio.to_thread(
         eval_cli, str(tmp_path / "corpus"), "--protocol", "realtime", "--url", url, "--model", "echo",
         "--turn-detection", "none", "--expect-echo", "--out", str(out),
+        "--quiet", "1",  # echo's reply is whole within milliseconds; the default 5 s window waits for slow models
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs, summary = results(out)
