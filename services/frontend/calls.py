@@ -71,17 +71,22 @@ class CallInput:
         """
         if self.state is not InputState.OPEN:
             raise BadRequest("the call's input has ended")
+        # (Written for the append every live call sends every few tens of milliseconds: no
+        # set, sort or comprehension where nothing is late, unknown or ending.)
         ending, already = self._streams_to_end(end)
         data = self._process(inp, opening)
-        if not data.keys() <= self.edges.keys():
-            unknown = sorted(set(data) - set(self.edges))
-            raise BadRequest(f"the model routed input to unknown stream(s) {unknown}")
-        out = Prepared(already_ended=already)
-        live = {e: d for e, d in data.items() if e in self.open_streams}
-        if len(live) < len(data):
-            out.late = sorted(e for e in data if e not in self.open_streams)
-        has_content = bool(inp.text) or bool(inp.files)
-        if not data and (has_content or (not opening and not ending and not already)):
+        live = data  # the input for streams still open: all of it, unless some is late
+        late: list[str] = []
+        for e in data:
+            if e not in self.edges:
+                unknown = sorted(set(data) - set(self.edges))
+                raise BadRequest(f"the model routed input to unknown stream(s) {unknown}")
+            if e not in self.open_streams:
+                late.append(e)
+        if late:
+            live = {e: d for e, d in data.items() if e in self.open_streams}
+            late.sort()
+        if not data and (inp.text or inp.files or (not opening and not ending and not already)):
             raise BadRequest(self._nothing_produced(inp))
         for edge, d in live.items():
             framed = edge in self.framers
@@ -89,14 +94,16 @@ class CallInput:
                 raise BadRequest(f"stream {edge!r} takes raw samples, the model gave items")
             if not framed and not isinstance(d, list):
                 raise BadRequest(f"stream {edge!r} takes items, not raw samples")
-        charged = self._charged_bytes(inp, set(out.late))
+        charged = self._charged_bytes(inp, late)
         if charged and self.input_bytes + charged > self.max_input_bytes:
             mb = self.max_input_bytes / (1024 * 1024)
             raise LimitExceeded(
                 "max_call_input_mb",
                 f"the call's files would total {self.input_bytes + charged} bytes, over {mb:g} MiB",
             )
-        for edge in (e for e in self.edge_order if e in live or e in ending):
+        for edge in self.edge_order:
+            if edge not in live and edge not in ending:
+                continue
             new = self._count(edge, live.get(edge), flush=edge in ending)
             limit = self.max_items.get(edge)
             if limit is not None and self.published[edge] + new > limit:
@@ -106,6 +113,7 @@ class CallInput:
                     f" ({self._unit(edge)})",
                 )
         # Committed from here on.
+        out = Prepared(late=late, already_ended=already)
         self.input_bytes += charged
         for edge, d in live.items():
             self._emit(out, edge, self._frame(edge, d))
@@ -137,10 +145,14 @@ class CallInput:
             return "an append needs text or files (or end_input)"
         return "the input produced no stream item"
 
-    def _charged_bytes(self, inp: ClientInput, late: set[str]) -> int:
+    def _charged_bytes(self, inp: ClientInput, late: list[str]) -> int:
         """File bytes charged to max_call_input_mb: every file but those routed to an ended stream."""
-        default = self.model.default_stream()
-        return sum(len(f.data) for f in inp.files if (f.stream or default) not in late)
+        charged = 0
+        default = self.model.default_stream() if late else None
+        for f in inp.files:
+            if not late or (f.stream or default) not in late:
+                charged += len(f.data)
+        return charged
 
     def _unit(self, edge: str) -> str:
         limits = self.edges[edge].limits
@@ -176,9 +188,11 @@ class CallInput:
         return [Item(f) for f in framer.push(np.asarray(d))]
 
     def _emit(self, out: Prepared, edge: str, items: list[Item]) -> None:
+        seq = self.published[edge]
         for item in items:
-            out.items.append((edge, self.published[edge], item))
-            self.published[edge] += 1
+            out.items.append((edge, seq, item))
+            seq += 1
+        self.published[edge] = seq
 
     def _end(self, out: Prepared, edge: str) -> int:
         framer = self.framers.get(edge)

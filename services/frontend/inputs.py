@@ -94,9 +94,9 @@ class InputPublisher:
 def late_reply(p: Prepared) -> dict[str, Any] | None:
     """The late-append reply: input for (or an end of) streams the client had already ended.
     Nothing of it was charged or sent; the call goes on. None where there was none."""
-    late = sorted(set(p.late) | set(p.already_ended))
-    if not late:
+    if not p.late and not p.already_ended:
         return None
+    late = sorted(set(p.late) | set(p.already_ended))
     what = []
     if p.late:
         what.append(f"input routed to stream(s) {p.late} was neither charged nor sent")

@@ -89,6 +89,7 @@ class SocketSession:
         self._lane_tasks: set[asyncio.Task[None]] = set()
         self._lane_moved = asyncio.Event()
         self.closed = False
+        self._max_bytes = service.config.max_message_bytes  # a property computed anew each time: read once
 
     def send(self, msg: dict[str, Any], binary: bool = False) -> None:
         """A reply of the socket's own (not a call's), in JSON or (`binary`) msgpack; one
@@ -124,7 +125,7 @@ class SocketSession:
         or an abort waits on round trips to the bus, so it runs in a lane of its call's own,
         and that call's later messages queue behind it, in order: one call's slow opening
         does not hold up the appends of the others on the socket."""
-        msg = parse_frame(data, max_bytes=self.service.config.max_message_bytes)
+        msg = parse_frame(data, max_bytes=self._max_bytes)
         rid = msg.request_id
         # Backpressure: past either bound the socket reads no more until a lane moves on.
         while ((lane := self.lanes.get(rid)) is not None and len(lane) >= LANE_MAX) or (
