@@ -17,7 +17,16 @@ from websockets.protocol import CLIENT
 from websockets.protocol import Protocol as WsProtocol
 
 from services.frontend.limits import Guard, Limits
-from services.frontend.websocket import GUARD, MAX_INBOUND, OUTLET, SEND_NOW, FrontendWebSocketProtocol
+from services.frontend.websocket import (
+    GUARD,
+    MAX_INBOUND,
+    OP_BINARY,
+    OP_TEXT,
+    OUTLET,
+    SEND_NOW,
+    FrontendWebSocketProtocol,
+    frame_header,
+)
 
 HANDSHAKE = (
     b"GET /generate/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -287,4 +296,49 @@ async def test_a_pong_behind_an_upload_this_side_has_not_read_is_waited_for() ->
     await asyncio.sleep(0.25)
     proto.keepalive_timeout()  # read all along for a ping_timeout, and no pong: gone
     assert transport.aborted and proto.close_sent
+    proto.connection_lost(None)
+
+
+@pytest.mark.parametrize("n", [0, 1, 125, 126, 3502, 65535, 65536, 200_000])
+def test_a_frame_header_written_here_is_the_one_websockets_writes(n: int) -> None:
+    payload = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    for binary, opcode in ((False, Opcode.TEXT), (True, Opcode.BINARY)):
+        mine = frame_header(OP_BINARY if binary else OP_TEXT, n) + payload
+        assert mine == Frame(opcode, payload).serialize(mask=False, extensions=[]), (n, binary)
+
+
+async def test_outputs_are_framed_here_and_read_by_a_client_as_websockets_frames_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    proto, transport, scope = await _accepted()
+    send_now = scope["extensions"][SEND_NOW]
+    framed = []
+
+    def counting(payload: bytes) -> None:  # websockets' own framing: not used for a plain frame
+        framed.append(payload)
+
+    monkeypatch.setattr(proto.conn, "send_text", counting)
+    monkeypatch.setattr(proto.conn, "send_binary", counting)
+    sent = [b"x" * n for n in (3, 200, 70_000)]
+    for i, payload in enumerate(sent):
+        send_now(payload, binary=bool(i % 2))
+    await asyncio.sleep(0)
+    assert framed == [] and len(transport.writes) == 1
+    reader = WsProtocol(CLIENT)
+    reader.receive_data(transport.writes[0])
+    frames = [e for e in reader.events_received() if isinstance(e, Frame)]
+    assert [(f.opcode, bytes(f.data)) for f in frames] == [
+        (Opcode.TEXT, sent[0]),
+        (Opcode.BINARY, sent[1]),
+        (Opcode.TEXT, sent[2]),
+    ]
+    proto.connection_lost(None)
+
+
+async def test_once_the_client_closes_an_output_is_refused_as_websockets_refuses_it() -> None:
+    proto, _, scope = await _accepted()
+    send_now = scope["extensions"][SEND_NOW]
+    client = WsProtocol(CLIENT)
+    client.send_close(1000)
+    proto.data_received(b"".join(client.data_to_send()))  # the server answers the close: not OPEN
+    with pytest.raises(ClientDisconnected):
+        send_now(b"late")
     proto.connection_lost(None)

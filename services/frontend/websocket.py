@@ -37,6 +37,7 @@ from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 from websockets.frames import Frame
+from websockets.protocol import State
 
 from services.frontend.limits import Guard, Load, Shed
 
@@ -51,6 +52,19 @@ SEND_NOW = "duplexbus.send_now"  # ASGI scope extension: send a text message (UT
 OUTLET = "duplexbus.outlet"  # ASGI scope extension: the connection itself (send_now, has_room, on_room, busy)
 DRAIN = "duplexbus.drain"  # lifespan state: starts (once) the app's drain, returns its task
 GUARD = "duplexbus.guard"  # lifespan state: the frontend's limits.Guard, for every connection
+
+
+OP_TEXT = 0x1
+OP_BINARY = 0x2
+
+
+def frame_header(opcode: int, n: int) -> bytes:
+    """The header of a server's unfragmented, unmasked frame of `n` payload bytes (RFC 6455 5.2)."""
+    if n < 126:
+        return bytes((0x80 | opcode, n))
+    if n < 1 << 16:
+        return bytes((0x80 | opcode, 126)) + n.to_bytes(2, "big")
+    return bytes((0x80 | opcode, 127)) + n.to_bytes(8, "big")
 
 
 class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -217,8 +231,22 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
     def send_now(self, payload: bytes, binary: bool = False) -> None:
         """Queue one text message (UTF-8), or a binary one, for the next write, without
         awaiting; raises ClientDisconnected where the socket is gone, or is dropped now
-        because its client is not reading."""
-        self._send_frame(self.conn.send_binary if binary else self.conn.send_text, payload)
+        because its client is not reading.
+
+        Every output of every call comes this way. Where the frame is the plain one (an open
+        connection without extensions: no per-message deflate, which the frontend does not
+        offer), its header is written here (`frame_header`): websockets' framing cost four
+        times as much, for the same bytes."""
+        if self.conn.extensions or self.conn.state is not State.OPEN or self.conn.writes:
+            self._send_frame(self.conn.send_binary if binary else self.conn.send_text, payload)
+            return
+        if not self.handshake_complete or self.close_sent or self.disconnected or self.transport.is_closing():
+            raise ClientDisconnected()
+        head = frame_header(OP_BINARY if binary else OP_TEXT, len(payload))
+        self._out.append(head)
+        self._out.append(payload)
+        self._out_bytes += len(head) + len(payload)
+        self._sent()
 
     def backlog(self) -> int:
         """Bytes waiting for the client: queued for this turn's write, and in the transport."""
@@ -255,6 +283,10 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
         for chunk in self.conn.data_to_send():
             self._out.append(chunk)
             self._out_bytes += len(chunk)
+        self._sent()
+
+    def _sent(self) -> None:
+        """A frame was queued: the bound, the turn's write, the guard's account."""
         if self.backlog() > 2 * self.max_send_buffer:
             self._give_up("replies past twice max_send_buffer_mb", self.backlog())
             raise ClientDisconnected()
