@@ -3,6 +3,13 @@ from a point (a repair or recovery reads on from where the last read ended)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.msg import Msg
+
 from shared.bus import subjects
 from tests.support.bus import bus_client
 
@@ -22,3 +29,52 @@ async def test_read_stored_reads_everything_or_on_from_a_sequence(nats_url: str)
         rest = [body async for _, body, _ in conn.read_stored(filters, after=seqs[2])]
         assert rest == [b"o3", b"o4", b"fin"]
         assert [m async for m in conn.read_stored(filters, after=seqs[-1])] == []
+
+
+@contextlib.asynccontextmanager
+async def consumer_requests(nats_url: str) -> AsyncIterator[list[str]]:
+    """The JetStream consumer API requests (create, delete...) anyone sends meanwhile, as
+    their subjects: a core subscription gets a copy of each."""
+    seen: list[str] = []
+    nc = await nats.connect(nats_url)
+
+    async def saw(m: Msg) -> None:
+        seen.append(m.subject)
+
+    try:
+        await nc.subscribe("$JS.API.CONSUMER.>", cb=saw)
+        await nc.flush()
+        yield seen
+        await nc.flush()
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("batch", [2, 512])
+async def test_a_read_up_to_a_stored_sequence_merges_its_filters_in_order_without_a_consumer(nats_url: str, batch: int) -> None:
+    """A worker's read at placement, bounded by its barrier: every filter's messages up to the
+    bound in stream order, pages of `batch` merged across filters, nothing after the bound, and
+    no consumer (the server answers direct gets; an open storm made one per call and partition)."""
+    async with bus_client(nats_url, "test-read-upto") as conn:
+        cid = subjects.new_cid()
+        for i in range(5):
+            await conn.store(subjects.input_(cid, "a"), f"a{i}".encode())
+            await conn.store(subjects.out(cid), b"not read")
+            await conn.store(subjects.edge(cid, "b"), f"b{i}".encode())
+        await conn.store(subjects.abort(cid), b"abort")
+        barrier = await conn.store(subjects.placed(cid, "w1"), b"placed")
+        await conn.store(subjects.input_(cid, "a"), b"after the barrier")
+        filters = [subjects.consumed(cid, "a"), subjects.consumed(cid, "b"), subjects.abort(cid), subjects.fin(cid)]
+        async with consumer_requests(nats_url) as requests:
+            read = [m async for m in conn.read_stored(filters, batch=batch, upto=barrier)]
+            rest = [body async for _, body, _ in conn.read_stored(filters, after=read[6][2], batch=batch, upto=barrier)]
+        assert requests == []
+        assert [body for _, body, _ in read] == [b"a0", b"b0", b"a1", b"b1", b"a2", b"b2", b"a3", b"b3", b"a4", b"b4", b"abort"]
+        seqs = [seq for _, _, seq in read]
+        assert seqs == sorted(seqs) and seqs[-1] < barrier
+        assert read[0][0] == subjects.input_(cid, "a") and read[1][0] == subjects.edge(cid, "b")
+        assert rest == [b"b3", b"a4", b"b4", b"abort"]
+        # Unbounded, the same read goes on past the barrier, through a consumer.
+        async with consumer_requests(nats_url) as requests:
+            assert [body async for _, body, _ in conn.read_stored(filters, after=seqs[-1])] == [b"after the barrier"]
+        assert any(".CREATE." in r for r in requests), requests

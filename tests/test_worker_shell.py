@@ -276,10 +276,10 @@ async def test_a_catch_up_read_warns_of_a_bus_failure_and_leaves_a_bug_to_its_ta
     passed off as one: it ends the task, whose TaskSet logs it with its traceback."""
     w = _running(["Talker"])
 
-    async def no_barrier(call: AssignedCall) -> None:
-        pass
+    async def no_barrier(call: AssignedCall) -> int | None:
+        return None
 
-    async def read_on(call: AssignedCall, r: Any) -> bool | None:
+    async def read_on(call: AssignedCall, r: Any, upto: int | None = None) -> bool | None:
         raise error
 
     w.intake._barrier = no_barrier  # type: ignore[method-assign]
@@ -297,3 +297,28 @@ async def test_a_catch_up_read_warns_of_a_bus_failure_and_leaves_a_bug_to_its_ta
     else:
         assert task.exception() is error
         assert lines == [("shared.runtime.process", logging.ERROR, True)]
+
+
+async def test_a_read_at_placement_reads_up_to_its_barrier_and_on_to_the_end_once_paused() -> None:
+    """The read from the start is bounded by the barrier's stream sequence (what came after it
+    came live, and the bounded read needs no consumer: BusConnection.read_stored); once the
+    partition is paused for want of room its live input waits in the stream, so the reads
+    after that go on to the stream's end."""
+    w = _running(["Talker"])
+    bounds: list[int | None] = []
+
+    async def barrier(call: AssignedCall) -> int | None:
+        return 41
+
+    async def read_on(call: AssignedCall, r: Any, upto: int | None = None) -> bool | None:
+        bounds.append(upto)
+        return len(bounds) > 1  # the first stops for want of room, the second reads to the end
+
+    w.intake._barrier = barrier  # type: ignore[method-assign]
+    w.intake._read_on = read_on  # type: ignore[method-assign]
+    w.intake._pause = lambda cid, partition: None  # type: ignore[method-assign]
+    read = w.intake.reads.subscribed("c", "Talker", w.runners["Talker"].engine.input_edges(), now=0.0)
+    assert read is not None and read.from_start
+    w.intake._start_read(read)
+    await asyncio.wait_for(w.calls["c"].catchups["Talker"], 5)
+    assert bounds == [41, None]

@@ -149,7 +149,7 @@ class Intake:
         return False
 
     # -- catch-up reads --------------------------------------------------------
-    def _start_read(self, read: StartRead | None, barrier: asyncio.Task[None] | None = None) -> None:
+    def _start_read(self, read: StartRead | None, barrier: asyncio.Task[int | None] | None = None) -> None:
         """Carry out InputReads' decision (`barrier`: the placement barrier it shares with the
         reads of the call's other partitions placed with it)."""
         if read is None:
@@ -169,24 +169,32 @@ class Intake:
             running.cancel()  # ended as far as InputReads knows (it starts one read at a time)
         call.catchups[read.partition] = self.tasks.spawn(self._catch_up(call, read, barrier))
 
-    async def _catch_up(self, call: AssignedCall, r: StartRead, barrier: asyncio.Task[None] | None) -> None:
+    async def _catch_up(self, call: AssignedCall, r: StartRead, barrier: asyncio.Task[int | None] | None) -> None:
         """Carry out a read InputReads started (from the start behind a barrier, or on from where
         reads reached), at the worker's pace: without room for the next item it stops, the
         partition is paused, and it reads on once there is room. A paused partition read to
-        the end takes live input again behind a barrier and is read on (repair.Next.RESUME)."""
+        the end takes live input again behind a barrier and is read on (repair.Next.RESUME).
+
+        A read from the start reads up to its barrier: whatever came after it came live (the
+        subscriptions were made before it), and a read with that bound needs no consumer on
+        a stream one server holds (BusConnection.read_stored). Once the partition is paused
+        (its live input left in the stream) its reads go on to the stream's end."""
         cid, engine = call.cid, self.ctx.runners[r.partition].engine
+        upto: int | None = None
         try:
             if r.from_start:
-                await (asyncio.shield(barrier) if barrier is not None else self._barrier(call))
+                upto = await (asyncio.shield(barrier) if barrier is not None else self._barrier(call))
             while await self._room(cid, engine):
-                ended = await self._read_on(call, r)
+                ended = await self._read_on(call, r, upto)
                 if ended is None:
                     return
                 if not ended:
                     self._pause(cid, r.partition)
+                    upto = None
                     continue
                 if self.reads.at_end(cid, r.partition, r.read_id) is Next.DONE or not await self._room(cid, engine):
                     return
+                upto = None
                 await self._subscribe_inputs(call, [r.partition])
                 self.reads.resumed(cid, r.partition, time.monotonic())
                 await self._barrier(call)  # what was left in the stream before the subscriptions is stored before it
@@ -195,14 +203,15 @@ class Intake:
         finally:
             self.reads.read_ended(cid, r.partition, r.read_id)
 
-    async def _read_on(self, call: AssignedCall, r: StartRead) -> bool | None:
-        """Read the partition's input subjects from where its reads reached: True once read to
-        the end, False where it stopped for want of room, None where the call ended."""
+    async def _read_on(self, call: AssignedCall, r: StartRead, upto: int | None = None) -> bool | None:
+        """Read the partition's input subjects from where its reads reached (up to stream
+        sequence `upto` where given): True once read to the end, False where it stopped for
+        want of room, None where the call ended."""
         cid = call.cid
         # abort and fin too: a call that ended before we subscribed must not hold a slot forever
         filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
         # aclosing: a read left early ends its consumer now, not when the generator is collected
-        read = self.ctx.bus.read_stored(filters, after=self.reads.read_to(cid, r.partition), batch=READ_BATCH)
+        read = self.ctx.bus.read_stored(filters, after=self.reads.read_to(cid, r.partition), batch=READ_BATCH, upto=upto)
         async with contextlib.aclosing(read) as stored:
             async for subject, data, seq in stored:
                 if cid not in self.calls:
@@ -217,15 +226,17 @@ class Intake:
                 self.reads.read_progress(cid, r.partition, r.read_id, seq)
         return True
 
-    async def _barrier(self, call: AssignedCall) -> None:
+    async def _barrier(self, call: AssignedCall) -> int | None:
         """Store a Placed message (see wire.Placed): once it is stored, so is any input published
-        before this worker's subscriptions. Where it cannot be, the read goes on, and the gap
-        and stall reads cover what it misses."""
+        before this worker's subscriptions. Its stream sequence, or None where it cannot be
+        stored: the read then goes on to the stream's end, and the gap and stall reads cover
+        what it misses."""
         placed = wire.Placed(worker_id=self.ctx.worker_id, partitions=list(call.partitions))
         try:
-            await self.ctx.bus.store(subjects.placed(call.cid, self.ctx.worker_id), wire.encode(placed))
+            return await self.ctx.bus.store(subjects.placed(call.cid, self.ctx.worker_id), wire.encode(placed))
         except BusError as e:
             log.warning("call %s: the barrier before its catch-up read was not stored (%s)", call.cid, e)
+            return None
 
     # -- live input ------------------------------------------------------------
     def _on_data(self, m: BusMsg) -> None:

@@ -9,6 +9,7 @@ what the stream holds, and closes. nats-py's exceptions come out as `BusError`s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ from nats.micro.request import Request  # nats.micro exports add_service alone
 
 from shared.bus import subjects
 from shared.bus.confirmed import Confirmer
+from shared.bus.direct import DirectReads, supported
 from shared.bus.failures import Denials, mapped
 from shared.bus.history import Stored, read_history
 from shared.bus.internals import GuardedClient, reading, subscribe_direct
@@ -235,6 +237,8 @@ class BusConnection:
         self.payloads = Payloads(self._js, config, int(nc.max_payload))
         self.kv: dict[str, Bucket] = {}
         self.confirmer: Confirmer | None = None  # publishes the stream confirms (confirmed.py)
+        # Bounded reads without a consumer (direct.py): exact only where one server holds the stream.
+        self._direct = DirectReads(nc, subjects.STREAM) if config.retention.replicas == 1 and supported(nc) else None
         self.link = LinkWatch()
         self._closing = False
         self._link_task: asyncio.Task[None] | None = None
@@ -443,11 +447,12 @@ class BusConnection:
             else:
                 await self._nc.publish(subject, body, headers=headers)
 
-    async def store(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
-        """A JetStream publish: returns once the stream has stored it."""
+    async def store(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+        """A JetStream publish: returns once the stream has stored it, with its stream sequence."""
         with mapped(f"storing {subject}", self._denials):
             headers, body = await self.payloads.outgoing(subject, body, headers)
-            await self._js.publish(subject, body, headers=headers)
+            ack = await self._js.publish(subject, body, headers=headers)
+        return int(ack.seq or 0)
 
     async def store_once(self, subject: str, body: bytes, patience_s: float = 0.0) -> None:
         """A message a call has once (open, end of input, edge end, done, fin), stored with an
@@ -519,7 +524,7 @@ class BusConnection:
             return await self.payloads.body(m.headers, m.data or b"")
 
     async def read_stored(
-        self, filters: list[str], after: int = 0, batch: int = 512
+        self, filters: list[str], after: int = 0, batch: int = 512, upto: int | None = None
     ) -> AsyncGenerator[tuple[str, bytes, int], None]:
         """Every message the stream holds on `filters`, oldest first: (subject, body, stream seq).
         With `after`, only those stored after that stream sequence: a reader that has read to
@@ -527,8 +532,24 @@ class BusConnection:
         fetched at once (what a reader that stops early has fetched in vain).
 
         One ephemeral consumer, read to the end and deleted: the catch-up read of workers,
-        the frontend's recovery of lost outputs and `duplexbus replay` all use it."""
+        the frontend's recovery of lost outputs and `duplexbus replay` all use it. With `upto`
+        (a stream sequence already stored: a barrier the reader stored), only what was stored
+        up to it; on a stream with one replica that is read without a consumer, by direct gets
+        (direct.py: one request per filter and page, where a consumer costs three and the
+        server's building it)."""
+        if upto is not None and self._direct is not None:
+            doing = f"reading {', '.join(filters)}"
+            async with contextlib.aclosing(self._direct.read(filters, after, upto, batch)) as stored:
+                while True:
+                    with mapped(doing, self._denials):
+                        s = await anext(stored, None)
+                        if s is None:
+                            return
+                        body = await self.payloads.body(s.headers, s.data)
+                    yield s.subject, body, s.seq
         async for m in self._stored_msgs(filters, after, batch):
+            if upto is not None and m.metadata.sequence.stream > upto:
+                return
             yield m.subject, await self.body(m), m.metadata.sequence.stream
 
     async def _stored_msgs(self, filters: list[str], after: int, batch: int) -> AsyncGenerator[Msg, None]:
