@@ -5,6 +5,7 @@ batch holds one walk, and a topology whose walk has more than one authority is r
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 import sys
 import types
@@ -448,3 +449,29 @@ async def test_the_worker_steps_an_edge_item_from_the_bus_under_its_walk(monkeyp
     took = w.intake._take(subjects.edge("c", "down"), body, live=True)
     assert took == ([], "Q")
     assert [s.walk for s in w.runners["Q"].engine.next_batch()] == ["b"]
+
+
+def test_a_buffers_next_walk_is_its_head_walk_while_it_has_a_chunk() -> None:
+    """`next_walk` reads the head once (it is asked for every stream of every call in every
+    step): the same answer as the head's walk whenever `has_chunk`, None otherwise, through
+    random pushes (out of order, repeated, of several walks), ends and pops."""
+    rng = random.Random(3)
+    for policy in (FixedChunkPolicy(3), CatchUpChunkPolicy(4), FixedChunkPolicy(1)):
+        for _ in range(50):
+            buf = StreamBuffer(policy)
+            total = rng.randrange(0, 12)
+            order = list(range(total)) * 2
+            rng.shuffle(order)
+            for seq in order:
+                buf.push(seq, Item(), rng.choice(["", "a", "b"]))
+                if rng.random() < 0.2:
+                    buf.pop_chunk()
+                if rng.random() < 0.1 and buf.total is None:
+                    buf.end(total)
+                assert buf.next_walk == (buf._head()[0] if buf.has_chunk() else None)
+            if buf.total is None:
+                buf.end(total)
+            while not buf.finished:
+                assert buf.next_walk == (buf._head()[0] if buf.has_chunk() else None)
+                buf.pop_chunk()
+            assert buf.next_walk is None

@@ -175,8 +175,14 @@ class StreamBuffer:
 
     @property
     def next_walk(self) -> str | None:
-        """The walk of the next chunk, None while there is none to release."""
-        return self._head()[0] if self.has_chunk() else None
+        """The walk of the next chunk, None while there is none to release (`has_chunk`, with
+        the head read once: asked for each of a call's streams in every step)."""
+        if self.finished:
+            return None
+        walk, available, closed = self._head()
+        if self.complete and not self._ready:
+            return walk  # the empty final chunk
+        return walk if self.policy.take(available, closed) > 0 else None
 
     def end(self, total: int) -> None:
         if self.total is not None and self.total != total:
