@@ -515,6 +515,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--audio", choices=("wav", "pcm"), default="wav", help="each append a WAV file, or raw .pcm")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--baseline", help="a git revision: the same cases on a stack of its code, interleaved")
+    ap.add_argument(
+        "--rev", help="a git revision to measure instead of the working tree (its own checkout: no uncommitted change in it)"
+    )
     ap.add_argument("--frontends", type=int, default=1)
     ap.add_argument("--nice", type=int, default=0, help="the client's niceness once the stacks are up")
     ap.add_argument("--profile", type=Path, help="py-spy profiles of this tree's stack go here (outside the repository)")
@@ -548,6 +551,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         stacks: dict[str, UpStack] = {}
         names = ["this tree"]
         base: Path | None = None
+        mine: Path | None = None
+        if args.rev:
+            mine = es.enter_context(worktree(args.rev))
+            print(f"this tree: {describe(args.rev)}")
         if args.baseline:
             base = es.enter_context(worktree(args.baseline))
             print(f"baseline: {describe(args.baseline)}")
@@ -557,7 +564,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             starting = {
                 name: pool.submit(UpStack, "echo", frontends=args.frontends, config=known_keys(cfg, src), source=src)
                 for name in names
-                for src in [base if name == "baseline" else None]
+                for src in [base if name == "baseline" else mine]
             }
         for fut in starting.values():
             if fut.exception() is None:
