@@ -91,7 +91,7 @@ class Assignment:
                     self.ctx.runners[p].engine.drop_call(a.cid)
             raise
         if call is None:
-            call = await self.intake.open(a.cid)
+            call = self.intake.open(a.cid)
             call.binary = a.binary
         await self.intake.placed(call, mine)
 

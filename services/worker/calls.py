@@ -25,7 +25,6 @@ class AssignedCall:
     cid: str
     partitions: list[str]
     binary: bool = False  # its client reads msgpack: its outputs are published packed (wire.pack_event)
-    subs: list[BusSubscription] = field(default_factory=list)  # its abort and fin
     inputs: dict[str, BusSubscription] = field(default_factory=dict)  # edge -> live input (none while paused)
     catchups: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # partition -> the read InputReads last started
 

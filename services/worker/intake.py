@@ -63,11 +63,19 @@ class Intake:
         await self.tasks.close()
 
     # -- placement -----------------------------------------------------------
-    async def open(self, cid: str) -> AssignedCall:
-        """The call's record here, subscribed to its abort and fin."""
+    async def start(self) -> None:
+        """Every call's abort and fin, on two subscriptions for the worker's life rather than
+        two per call: in an open storm those were made and dropped by the hundred (each one
+        a SUB and an UNSUB, and nats-py's subscription object). Each worker so receives every
+        call's ends (one or two small messages a call), and drops those of calls not here.
+        One that came before the call was taken here was stored before its barrier: the read
+        at placement finds it (its filters hold the abort and fin)."""
+        await self.ctx.bus.subscribe_direct(subjects.abort("*"), self._on_end)
+        await self.ctx.bus.subscribe_direct(subjects.fin("*"), self._on_end)
+
+    def open(self, cid: str) -> AssignedCall:
+        """The call's record here (its ends come on the subscriptions `start` made)."""
         call = self.calls[cid] = AssignedCall(cid, [])
-        call.subs.append(await self.ctx.bus.subscribe(subjects.abort(cid), self._on_end))
-        call.subs.append(await self.ctx.bus.subscribe(subjects.fin(cid), self._on_end))
         return call
 
     async def placed(self, call: AssignedCall, mine: list[str]) -> None:
@@ -325,10 +333,15 @@ class Intake:
         return r.engine.end(cid, edge, total), r.engine.name
 
     # -- calls ending --------------------------------------------------------------
-    async def _on_end(self, m: BusMsg) -> None:
-        """The call was aborted or finished elsewhere: forget it."""
-        s = subjects.parse(m.subject)
-        await self.forget(s.cid)
+    def _on_end(self, m: BusMsg) -> None:
+        """A call was aborted or finished elsewhere: forget it if it is here (from the read
+        loop, so only a call held here costs a task)."""
+        try:
+            cid = subjects.parse(m.subject).cid
+        except ValueError:
+            return
+        if cid in self.calls:
+            self.tasks.spawn(self.forget(cid))
 
     async def forget(self, cid: str) -> None:
         call = self.calls.pop(cid, None)
@@ -362,6 +375,6 @@ class Intake:
         for task in call.catchups.values():
             if not task.done() and task is not asyncio.current_task():
                 task.cancel()
-        subs, call.subs = call.subs + list(call.inputs.values()), []
+        subs = list(call.inputs.values())
         call.inputs.clear()
         await BusConnection.unsubscribe_all(subs)

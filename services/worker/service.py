@@ -113,6 +113,7 @@ class WorkerService:
         )
         kv = self.bus.kv[subjects.KV_WORKERS]
         self.life = SignsOfLife(self.config, subjects.KV_WORKERS, self.worker_id, self._heartbeat, self.config.heartbeat_s)
+        await self.intake.start()  # before any assignment: a call's ends are heard from its placement on
         await self.bus.subscribe(subjects.assign(self.worker_id), self.assignment.on_assign)
         self.readiness.conn = self.bus
         health = None
