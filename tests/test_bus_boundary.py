@@ -20,25 +20,26 @@ from shared.runtime.errors import BusUnavailable, Overloaded
 from tests.support.bus import bus_client, connected
 
 
-class StandInJetStream:
+class StandInAcks:
+    """What Bucket's probe writes through: the connection's stored publishes (shared/bus/acks.py)."""
+
     def __init__(self, error: BaseException | None) -> None:
         self.error = error
 
-    async def publish(self, subject: str, body: bytes, **kw: Any) -> None:
+    async def publish(self, subject: str, body: bytes, **kw: Any) -> int:
         if self.error is not None:
             raise self.error
+        return 1
 
 
 class StandInKv:
-    """What Bucket's probe writes through: nats-py's KeyValue's JetStream and key prefix."""
+    """nats-py's KeyValue as Bucket's writes use it: its key prefix."""
 
-    def __init__(self, error: BaseException | None) -> None:
-        self._js = StandInJetStream(error)
-        self._pre = "$KV.test."
+    _pre = "$KV.test."
 
 
 def bucket(error: BaseException | None) -> Bucket:
-    return Bucket(StandInKv(error), "test", Denials())  # type: ignore[arg-type]
+    return Bucket(StandInKv(), "test", Denials(), StandInAcks(error))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -82,11 +82,15 @@ def test_health_of_a_url_is_its_status(http_port: int, capsys: pytest.CaptureFix
 
 
 class _KV:
+    """nats-py's KeyValue (its key prefix) and the connection's stored publishes, which a put goes through."""
+
+    _pre = "$KV.duplex_workers."
+
     def __init__(self, fail: bool) -> None:
         self.fail = fail
         self.puts = 0
 
-    async def put(self, key: str, value: bytes) -> int:
+    async def publish(self, subject: str, body: bytes, **kw: Any) -> int:
         self.puts += 1
         if self.fail:
             raise ConnectionError("no NATS")
@@ -96,7 +100,7 @@ class _KV:
 @pytest.mark.parametrize("stored", [True, False])
 async def test_a_heartbeat_beats_only_once_stored(health_file: Path, stored: bool) -> None:
     kv = _KV(fail=not stored)
-    bucket = Bucket(kv, "duplex_workers", Denials())  # type: ignore[arg-type]
+    bucket = Bucket(kv, "duplex_workers", Denials(), kv)  # type: ignore[arg-type]
     task = asyncio.create_task(bucket.heartbeat("worker-1", lambda: b"hb", 0.05))
     while kv.puts < 2:
         await asyncio.sleep(0.01)

@@ -38,6 +38,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.micro.request import Request  # nats.micro exports add_service alone
 
 from shared.bus import subjects
+from shared.bus.acks import Acks
 from shared.bus.confirmed import Confirmer
 from shared.bus.direct import DirectReads, supported
 from shared.bus.failures import Denials, mapped
@@ -237,6 +238,7 @@ class BusConnection:
         self.payloads = Payloads(self._js, config, int(nc.max_payload))
         self.kv: dict[str, Bucket] = {}
         self.confirmer: Confirmer | None = None  # publishes the stream confirms (confirmed.py)
+        self.acks = Acks(nc)  # stored publishes and KV writes, their acks on one subscription (acks.py)
         # Bounded reads without a consumer (direct.py): exact only where one server holds the stream.
         self._direct = DirectReads(nc, subjects.STREAM) if config.retention.replicas == 1 and supported(nc) else None
         self.link = LinkWatch()
@@ -349,7 +351,7 @@ class BusConnection:
                     kv = await self._js.create_key_value(cfg)
                 except BadRequestError:  # another process created it meanwhile
                     kv = await self._js.key_value(name)
-        return Bucket(kv, name, self._denials)
+        return Bucket(kv, name, self._denials, self.acks)
 
     async def _allow_marker_ttl(self, bucket: str) -> None:
         """A bucket made by an older version may refuse per-message TTLs, which removals use
@@ -451,8 +453,7 @@ class BusConnection:
         """A JetStream publish: returns once the stream has stored it, with its stream sequence."""
         with mapped(f"storing {subject}", self._denials):
             headers, body = await self.payloads.outgoing(subject, body, headers)
-            ack = await self._js.publish(subject, body, headers=headers)
-        return int(ack.seq or 0)
+            return await self.acks.publish(subject, body, headers=headers)
 
     async def store_once(self, subject: str, body: bytes, patience_s: float = 0.0) -> None:
         """A message a call has once (open, end of input, edge end, done, fin), stored with an
