@@ -104,6 +104,7 @@ SLOW_FIRST = {
     "test_check_model_voice": 28,
     "test_frontend_lifecycle": 24,
     "test_rolling_upgrade": 22,
+    "test_realtime_resume": 22,
     "test_cli_up_supervisor": 18,
     "test_browser_page": 18,
     "test_backbone": 18,

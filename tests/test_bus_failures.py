@@ -11,6 +11,7 @@ from shared.bus.failures import Denials, mapped, translate
 from shared.runtime.errors import (
     BusDenied,
     BusError,
+    BusNoResponders,
     BusNotFound,
     BusRefused,
     BusTimeout,
@@ -25,7 +26,7 @@ from shared.runtime.errors import (
     [
         (nerr.TimeoutError(), BusTimeout, 503, True),
         (TimeoutError(), BusTimeout, 503, True),
-        (nerr.NoRespondersError(), BusUnavailable, 503, True),
+        (nerr.NoRespondersError(), BusNoResponders, 503, True),
         (nerr.ConnectionClosedError(), BusUnavailable, 503, True),
         (nerr.AuthorizationError(), BusDenied, 503, False),
         (nerr.Error('nats: permissions violation for publish to "call.x.abort"'), BusDenied, 503, False),

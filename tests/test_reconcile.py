@@ -225,3 +225,55 @@ def test_a_call_ended_for_its_frontend_is_logged(caplog: pytest.LogCaptureFixtur
         ev = beat(n, [])
         observer.after(ev, c.handle(ev), 0.0)
     assert "call a ended: its frontend no longer holds it" in caplog.text
+
+
+# -- calls that move to another frontend (a realtime session resumed there) -------------
+def adopting(n: int, calls: list[str], adopted: dict[str, int], frontend: str = "fe2") -> core.FrontendSeen:
+    hb = wire.FrontendHeartbeat(frontend_id=frontend, ts=0.0, beat=n, calls=calls, adopted=adopted)
+    return core.FrontendSeen(hb)
+
+
+def test_a_call_another_frontend_lists_as_adopted_is_its_from_then_on() -> None:
+    """fe1 lends the call (lists it) until fe2's heartbeat lists it as adopted: from then on
+    fe1's listings, and fe1's loss, say nothing of it; fe2's do."""
+    c = conductor()
+    run(c, "a", beat_=1)
+    assert c.handle(beat(2, ["a"])) == []  # lent: still listed by fe1
+    acts = c.handle(adopting(7, ["a"], {"a": 1}))
+    [saved] = [a.record for a in acts if isinstance(a, core.SaveRecord)]
+    assert (saved.frontend_id, saved.moves, saved.frontend_beat) == ("fe2", 1, 6)
+    assert core.Call.from_record(saved).moves == 1  # a restarted conductor knows it too
+    for n in (3, 4, 5):
+        assert aborts(c.handle(beat(n, []))) == []  # fe1 let it go: nothing ends
+    assert c.handle(core.FrontendLost("fe1")) == [] and "a" in c.calls
+    assert c.handle(adopting(8, ["a"], {"a": 1})) == []  # the same move again: nothing new
+    assert aborts(c.handle(adopting(9, [], {}))) == []
+    assert aborts(c.handle(adopting(10, [], {}))) == ["a"]  # fe2 let it go in turn: ended
+
+
+def test_a_late_or_unlisted_adoption_does_not_take_a_call() -> None:
+    """Moves only go forward: fe2's heartbeat naming an older move (delivered late, or built
+    before fe2 let the call go to fe3) leaves it with fe3; an adoption not among the calls
+    listed, or of a call the conductor does not know, moves nothing."""
+    c = conductor()
+    run(c, "a", beat_=1)
+    c.handle(adopting(5, ["a"], {"a": 1}))
+    c.handle(adopting(3, ["a"], {"a": 2}, frontend="fe3"))
+    assert (c.calls["a"].frontend_id, c.calls["a"].moves) == ("fe3", 2)
+    assert c.handle(adopting(6, ["a"], {"a": 1})) == []
+    assert c.calls["a"].frontend_id == "fe3"
+    assert c.handle(adopting(4, [], {"a": 3}, frontend="fe4")) == []
+    assert c.handle(adopting(5, ["zz"], {"zz": 1}, frontend="fe4")) == []
+    assert c.calls["a"].frontend_id == "fe3"
+
+
+def test_a_frontend_lists_a_lent_call_until_it_is_returned_and_names_its_adopted_ones() -> None:
+    from types import SimpleNamespace
+
+    held: dict[str, object] = {"a": SimpleNamespace(moves=0), "b": SimpleNamespace(moves=2), "c": object()}
+    beats = Beats("fe1", held)
+    beats.lend("d")
+    hb = wire.decode_as(beats.next(), wire.FrontendHeartbeat)
+    assert (hb.calls, hb.adopted) == (["a", "b", "c", "d"], {"b": 2})
+    assert beats.returned("d") and not beats.returned("d")
+    assert wire.decode_as(beats.next(), wire.FrontendHeartbeat).calls == ["a", "b", "c"]

@@ -210,6 +210,7 @@ class Call:
     unheld: int = 0  # its frontend's listed heartbeats in a row, since it took the call, that left it out
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
     binary: bool = False  # its client reads msgpack: its workers publish its outputs packed
+    moves: int = 0  # how often it moved to another frontend (`frontend_id` is the latest; `FrontendSeen`)
     # Workers that refused this placement as busy (draining, full): not asked again until the
     # call is placed, so a placement asks each worker at most once. Not saved: a restored
     # call is taken as placed.
@@ -233,6 +234,7 @@ class Call:
             model_kwargs=dict(r.model_kwargs),
             kwargs_in_open=r.kwargs_in_open,
             binary=r.binary,
+            moves=r.moves,
             partitions=list(r.partitions),
             open_streams=set(r.open_streams),
             state=CallState(r.state),
@@ -255,6 +257,7 @@ class Call:
             model_kwargs={} if self.kwargs_in_open else self.model_kwargs,
             kwargs_in_open=self.kwargs_in_open,
             binary=self.binary,
+            moves=self.moves,
             partitions=list(self.partitions),
             open_streams=sorted(self.open_streams),
             placement=dict(self.placement),
@@ -594,7 +597,10 @@ class Conductor:
     def _frontend_seen(self, hb: wire.FrontendHeartbeat) -> list[Action]:
         """A frontend's heartbeat lists the calls it holds: each of its calls that
         UNHELD_BEATS listings in a row, built after it took the call, leave out is let go
-        there (its abort lost, or read before its open), and ended here."""
+        there (its abort lost, or read before its open), and ended here. A call it lists as
+        adopted with more moves than the call has here moved to it (a realtime session resumed
+        there): it is the call's frontend from now on, its listings built from this one on
+        say whether it holds the call, and the frontend that let it go is no longer asked."""
         fid = hb.frontend_id
         if fid in self.listings and self.listings[fid] is None:
             del self.listings[fid]  # lost, and beating again: it holds what it lists from now on
@@ -604,6 +610,12 @@ class Conductor:
         listing = Listing(hb.beat, frozenset(hb.calls))
         self._list(fid, listing)
         actions: list[Action] = []
+        for cid, moves in hb.adopted.items():
+            moved = self.calls.get(cid)
+            if moved is not None and moves > moved.moves and cid in listing.calls:
+                moved.frontend_id, moved.moves = fid, moves
+                moved.frontend_beat, moved.unheld = hb.beat - 1, 0  # this listing is built after it took the call
+                actions.append(SaveRecord(moved.record()))
         for call in [c for c in self.calls.values() if c.frontend_id == fid]:
             if call.cid in listing.calls:
                 call.unheld = 0

@@ -90,6 +90,22 @@ class OutputRelay:
         """A read of the stream handled the message stored at `stream_seq`."""
         self.read_to = stream_seq
 
+    def hand_over(self) -> tuple[dict[str, int], int]:
+        """The call moves to another frontend (a realtime session resumed there): the outputs
+        relayed per partition, and the stream sequence its read of the stream starts after,
+        which takes up everything not relayed here. Outputs held ahead of a gap are not handed
+        over: where there are some, that read starts from the beginning of the call."""
+        return dict(self.next_out), 0 if self.held else self.read_to
+
+    @classmethod
+    def taken_over(cls, next_out: dict[str, int], read_to: int) -> OutputRelay:
+        """The relay of a call taken over from another frontend (`hand_over`), whose next read
+        of the stream (due at once) relays what that one did not."""
+        relay = cls()
+        relay.next_out = dict(next_out)
+        relay.read_to = read_to
+        return relay
+
     def fin(self, counts: dict[str, int], now: float) -> None:
         """The fin came: `counts` outputs per partition make the call complete."""
         self.counts = counts

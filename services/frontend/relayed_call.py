@@ -46,6 +46,7 @@ class RelayedCall:
     opened: float = field(default_factory=time.monotonic)
     binary: bool = False  # opened in msgpack: every message of the call goes back in msgpack
     binary_fields: tuple[str, ...] = ()  # the model's (an output published in JSON is packed here)
+    moves: int = 0  # how often the call moved to another frontend before it came here (0: opened here)
 
     _output_prefix: bytes | None = None
 

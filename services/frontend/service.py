@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from models.registry import get_model, served_model
+from services.frontend import moves
 from services.frontend.calls import CallInput, InputState
 from services.frontend.heartbeat import Beats
 from services.frontend.inputs import STORE_PATIENCE_S, InputPublisher
@@ -26,13 +27,14 @@ from services.frontend.probes import BusProbe, LoopLagProbe
 from services.frontend.protocol import Append, EndInput, Opening
 from services.frontend.relayed_call import RelayedCall, Sink
 from shared.bus import subjects, wire
-from shared.bus.connection import BusConnection
+from shared.bus.connection import BusConnection, BusSubscription
 from shared.bus.kv import Bucket
 from shared.bus.life import SignsOfLife
 from shared.bus.readiness import Readiness
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import (
     BusError,
+    BusUnavailable,
     CallTimeout,
     Conflict,
     DuplexError,
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 ABORTS_S = 3.0  # the aborts of the calls still live, published at once, all within this
 LEAVE_S = 3.0  # then the heartbeat key's delete and the bus's close
 CONDUCTOR_POLL_S = 0.2  # at start-up, how often the conductor's consumer is looked for
+# A call let go to another frontend is listed in this one's heartbeats until the taker says
+# its own heartbeat lists it; at most this long (a taker that died meanwhile: the conductor
+# ends the call once neither lists it).
+LEND_S = 10.0
 
 
 class FrontendService:
@@ -59,6 +65,7 @@ class FrontendService:
         self.frontend_id = frontend_id or subjects.new_process_id("frontend")
         self.calls: dict[str, RelayedCall] = {}  # cid -> call
         self.beats = Beats(self.frontend_id, self.calls)  # each heartbeat lists the calls held (reconciliation)
+        self.life: SignsOfLife | None = None  # the heartbeats' connection, once connected
         self._bus: BusConnection | None = None
         self.ready = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
@@ -370,6 +377,90 @@ class FrontendService:
         # In a task of its own: unsubscribing from inside that subscription's callback (a fin
         # or the last output) would cancel the callback itself.
         self.tasks.spawn(BusConnection.unsubscribe_all(subs))
+
+    # -- calls that move to another frontend (a realtime session resumed there) ----------
+    async def hand_over(self, call: RelayedCall) -> None:
+        """The call moves to another frontend: it is held here no more (its outputs are not
+        relayed, its input is not published, its owner's `on_end` runs) but not ended: no
+        abort, and its request_id stays reserved for the taker to free. Its cid stays in this
+        frontend's heartbeats until the taker says its own list it (`subjects.realtime_taken`),
+        for LEND_S at most: the conductor learns of the move from the taker's heartbeat, and
+        must never read one of each that both leave the call out. (What the taker gets,
+        `moves.hand_over`, the caller takes just before, with no await between.)"""
+        if self.calls.pop(call.cid, None) is None:
+            return
+        self.beats.lend(call.cid)
+        call.input.close()
+        call.ended.set()
+        if call.on_end is not None:
+            call.on_end(call)
+        subs, call.subs = call.subs, []
+        self.tasks.spawn(BusConnection.unsubscribe_all(subs))
+        taken: list[BusSubscription] = []
+
+        def returned() -> None:
+            timer.cancel()
+            if self.beats.returned(call.cid):
+                self.tasks.spawn(BusConnection.unsubscribe_all(taken))
+
+        timer = asyncio.get_running_loop().call_later(LEND_S, returned)
+        try:
+            taken.append(await self.bus.subscribe_direct(subjects.realtime_taken(call.cid), lambda _: returned()))
+        except BusError as e:  # listed for LEND_S all the same
+            log.warning("call %s: not told when its taker holds it (%s); listed for %g s", call.cid, e, LEND_S)
+        event(log, "call handed over", cid=call.cid, request_id=call.request_id, outputs=call.relay.relayed)
+
+    async def adopt(self, cid: str, move: wire.RealtimeMove, sink: Sink) -> RelayedCall:
+        """Hold call `cid`, which another frontend let go (`move`): its outputs relayed from
+        where that one stopped (the stream is read at once for what it did not relay), its
+        input published on from where it stood, listed as adopted in this frontend's
+        heartbeats (its owner sets its `on_end`). Where it cannot be held here (the frontend
+        is stopping, a move that does not fit the model, the bus failing) the call is
+        aborted, since nobody else holds it any more, and the error raised."""
+        try:
+            if not self.ready.is_set():
+                raise Overloaded("the frontend is stopping" if self.stopping else "the frontend is starting (no conductor yet)")
+            model = self.model(move.model)
+            inp = CallInput(model, self._limits[model.name], self.config.max_call_input_bytes, time.monotonic())
+            taken = moves.take_over(inp, move)
+        except (DuplexError, ValueError) as e:
+            await self.abort_unheld(cid, f"the frontend a session was resumed on could not take its call: {e}")
+            raise
+        call = RelayedCall(
+            cid,
+            taken.request_id,
+            inp,
+            sink,
+            True,
+            taken.request_id_revision,
+            relay=taken.relay,
+            binary_fields=model.binary_fields,
+            moves=taken.moves,
+        )
+        self.calls[cid] = call
+        try:
+            call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self.outputs.on_out))
+            call.subs.append(await self.bus.subscribe_direct(subjects.fin(cid), self.outputs.on_fin))
+        except BaseException:
+            await self.abort(call, "the frontend a session was resumed on could not subscribe to its call", 503)
+            raise
+        self.outputs.recover(call)  # what was stored after the other frontend's relay stopped
+        event(log, "call taken over", cid=cid, request_id=call.request_id, moves=call.moves, from_frontend=move.frontend_id)
+        return call
+
+    async def abort_unheld(self, cid: str, reason: str) -> None:
+        """Abort a call that no frontend holds any more (one let go to this one, which could
+        not take it up): 503, for the conductor and its workers."""
+        try:
+            await self.bus.store(subjects.abort(cid), wire.encode(wire.Abort(reason=reason, status=503)))
+        except BusError as e:  # the conductor ends it once no heartbeat lists it
+            log.error("call %s: its abort (%s) was not published: %s", cid, reason, e)
+
+    async def beat_now(self) -> None:
+        """A heartbeat now, stored when this returns (it lists every call held now)."""
+        if self.life is None:
+            raise BusUnavailable("a heartbeat out of turn", "not connected yet")
+        await self.life.beat()
 
     async def _check_timeouts(self) -> None:
         now = time.monotonic()

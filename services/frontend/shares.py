@@ -62,12 +62,12 @@ class Share:
         self.cap = cap
         self.held = 0
 
-    def take(self) -> None:
-        """One call more, or `TooManyCalls` (nothing taken)."""
+    def take(self, force: bool = False) -> None:
+        """One call more, or `TooManyCalls` (nothing taken); with `force`, past the caps too."""
         s = self.shares
-        if self.cap is not None and self.held >= self.cap:
+        if not force and self.cap is not None and self.held >= self.cap:
             raise s.refuse(TooManyCalls("max_calls_per_socket", f"this socket holds {self.held} calls, the most one may"))
-        if self.token is not None and s.by_token.get(self.token, 0) >= s.per_token:
+        if not force and self.token is not None and s.by_token.get(self.token, 0) >= s.per_token:
             held = s.by_token[self.token]
             raise s.refuse(TooManyCalls("max_calls_per_token", f"this token holds {held} calls here, the most one may"))
         self.held += 1
@@ -83,6 +83,25 @@ class Share:
                 self.shares.by_token[self.token] = left
             else:
                 del self.shares.by_token[self.token]  # no entry per token ever seen: the map stays bounded
+
+
+def moved_in(share: Share | None) -> OnEnd | None:
+    """A call that moved to this frontend (a realtime session resumed here) counts within
+    `share` from now on: the `on_end` that gives it back. Taken past the caps too: the socket
+    gave back its own session's call just before, and a session that has left the frontend
+    it was on cannot be turned away. None: no share to keep."""
+    if share is None:
+        return None
+    share.take(force=True)
+    given = False
+
+    def ended(call: RelayedCall) -> None:
+        nonlocal given
+        if not given:
+            given = True
+            share.give()
+
+    return ended
 
 
 async def open_shared(

@@ -16,6 +16,7 @@ from nats.js import errors as jerr
 from shared.runtime.errors import (
     BusDenied,
     BusError,
+    BusNoResponders,
     BusNotFound,
     BusRefused,
     BusTimeout,
@@ -64,6 +65,8 @@ def translate(e: BaseException, doing: str, denials: Denials | None = None) -> B
         if denied is not None:
             return BusDenied(doing, f"no answer after the server said {denied!r}")
         return BusTimeout(doing, "no answer in time")
+    if isinstance(e, nerr.NoRespondersError):
+        return BusNoResponders(doing, "no one answers on this subject")
     if isinstance(e, nerr.NoServersError):
         return BusUnavailable(doing, "no server answered")
     if isinstance(e, nerr.Error):

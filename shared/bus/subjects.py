@@ -134,6 +134,18 @@ def alive(process_id: str) -> str:
     return f"ctl.alive.{process_id}"
 
 
+def realtime_take(cid: str) -> str:
+    """Request/reply: a frontend a client resumed a `/v1/realtime` session on asks for it; the
+    frontend holding the session (attached or waiting for its client) is the one subscribed."""
+    return f"ctl.realtime.{cid}.take"
+
+
+def realtime_taken(cid: str) -> str:
+    """The frontend that took a session says it holds its call now (its heartbeat listing it
+    stored): the one that let it go stops listing it."""
+    return f"ctl.realtime.{cid}.taken"
+
+
 def conductor_status() -> str:
     """Request/reply: the conductor's live calls, workers and placements."""
     return "ctl.conductor.status"

@@ -14,7 +14,9 @@ major rather than misreading it.
 from __future__ import annotations
 
 import binascii
-from collections.abc import Collection
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -30,9 +32,11 @@ from shared.sdk.chunking import Item
 # Minors: 1.1 added EdgeItemMsg.walk; 1.2 the frontend's beats and held calls
 # (FrontendHeartbeat.beat and .calls, Open.frontend_beat, CallRecord.frontend_beat); 1.3
 # calls whose client reads msgpack (Open.binary, CallRecord.binary, Assign.binary,
-# OutputMsg.packed).
+# OutputMsg.packed); 1.4 realtime sessions that move between frontends
+# (FrontendHeartbeat.adopted, CallRecord.moves, and RealtimeTake, RealtimeMove and
+# RealtimeTaken on the `ctl.realtime.*` subjects).
 MAJOR = 1
-MINOR = 3
+MINOR = 4
 _T = TypeVar("_T", bound="Msg")
 
 
@@ -196,6 +200,10 @@ class FrontendHeartbeat(Msg, tag="frontend_hb"):
     # 1.2: the cids of the calls the frontend holds as it builds the heartbeat; None: not
     # listed (a 1.1 frontend, or one holding more than it lists): nothing is reconciled by it.
     calls: list[str] | None = None
+    # 1.4: of the calls listed, those the frontend took over from another one (a realtime
+    # session resumed here), each with its number of moves: the conductor makes this frontend
+    # the call's own where the number is above the one it knows (`CallRecord.moves`).
+    adopted: dict[str, int] = {}
 
 
 class CallRecord(Msg, tag="call"):
@@ -218,6 +226,7 @@ class CallRecord(Msg, tag="call"):
     usage: dict[str, Any] = {}
     frontend_beat: int = 0  # 1.2: the open's, so a restored call is reconciled as before
     binary: bool = False  # 1.3: the open's (its outputs are published packed)
+    moves: int = 0  # 1.4: how often the call moved to another frontend (`frontend_id` is its latest)
 
 
 class Placed(Msg, tag="placed"):
@@ -240,6 +249,51 @@ class RealtimeEvent(Msg, tag="rt"):
     json: bytes
 
 
+class RealtimeTake(Msg, tag="rt_take"):
+    """ctl.realtime.{cid}.take: a frontend a client resumed a session on asks the frontend
+    that holds the session for it (request/reply; only the holder is subscribed)."""
+
+    token: str  # the session's resume token, as the client gave it
+    last_seen: int  # the number of the last event the client saw (0: none)
+    frontend_id: str  # the asking frontend
+    session_format: int = 0  # the layout of a session's state the asker reads (another: refused)
+
+
+class RealtimeMove(Msg, tag="rt_move"):
+    """The answer to a `RealtimeTake`: the session and its call, which the holder has let go
+    (it relays and publishes nothing more of it, and lists the call in its heartbeats until
+    the taker says `RealtimeTaken`), or why not (`error`; nothing moved)."""
+
+    ok: bool
+    code: str = ""  # refused: the realtime error code the resuming client gets, its message and param
+    error: str = ""
+    param: str = ""
+    frontend_id: str = ""  # the holder that let it go
+    model: str = ""
+    request_id: str = ""
+    request_id_revision: int = 0  # the reservation, freed by whoever holds the call when it ends
+    moves: int = 0  # the call's moves, this one counted
+    # The call's input as the holder left it (`calls.CallInput`): items published per edge,
+    # streams still open, bytes charged, and each framed stream's samples short of an item.
+    published: dict[str, int] = {}
+    open_streams: list[str] = []
+    input_bytes: int = 0
+    remainders: dict[str, Tensor] = {}
+    # Its relay (`relay.OutputRelay`): outputs relayed per partition, and the stream sequence
+    # a read of its outputs starts after.
+    next_out: dict[str, int] = {}
+    read_to: int = 0
+    age_s: float = 0.0  # how long the session has lived (realtime.max_session_s)
+    session: bytes = b""  # the session's own state (`pack_state`, services/frontend/realtime/moving.py)
+
+
+class RealtimeTaken(Msg, tag="rt_taken"):
+    """ctl.realtime.{cid}.taken: the taker holds the call and a heartbeat of its that lists
+    it as adopted is stored: the previous holder stops listing it."""
+
+    frontend_id: str
+
+
 AnyMsg = (
     Open
     | InputItem
@@ -252,6 +306,9 @@ AnyMsg = (
     | Abort
     | Placed
     | RealtimeEvent
+    | RealtimeTake
+    | RealtimeMove
+    | RealtimeTaken
     | Assign
     | AssignReply
     | WorkerHeartbeat
@@ -330,3 +387,109 @@ def unpack_event(packed: bytes) -> bytes:
         return msgspec.json.encode(msgspec.msgpack.decode(packed))
     except (msgspec.DecodeError, TypeError) as e:
         raise ProtocolError(f"an output that is not msgpack: {e}") from None
+
+
+# -- object state ----------------------------------------------------------------
+# A realtime session that moves to another frontend travels as its pure objects' state
+# (`RealtimeMove.session`): msgpack, with what msgpack has no type for as extensions. Only
+# data is built from the bytes: containers, numpy arrays, and instances of the classes a
+# reader names (`StateKinds`), made without running any of their code (their attributes
+# are set as they were). Nothing else: no pickle, whose bytes may run anything.
+_TUPLE, _DICT, _ODICT, _DEQUE, _ARRAY, _SCALAR, _ENUM, _OBJECT, _REDUCED = range(1, 10)
+_state_encoder = msgspec.msgpack.Encoder()
+
+
+class StateKinds:
+    """The classes an object state may hold besides containers and numpy arrays, known by
+    their names: `classes` (dataclasses, enums, plain objects: built from their attributes),
+    and `reduced` ones, each with a function to data and one that builds it again from that
+    (an object holding a native handle)."""
+
+    def __init__(
+        self,
+        classes: Iterable[type],
+        reduced: Mapping[type, tuple[Callable[[Any], Any], Callable[[Any], Any]]] | None = None,
+    ) -> None:
+        self.names: dict[type, str] = {c: c.__qualname__ for c in classes}
+        self.classes = {name: c for c, name in self.names.items()}
+        self.reduce = {c: (c.__qualname__, to) for c, (to, _) in (reduced or {}).items()}
+        self.build = {c.__qualname__: back for c, (_, back) in (reduced or {}).items()}
+
+
+def pack_state(obj: Any, kinds: StateKinds) -> bytes:
+    """`obj` as bytes `unpack_state` reads back; TypeError for a value of a class `kinds`
+    does not name (nothing is packed)."""
+    return _state_encoder.encode(_tree(obj, kinds))
+
+
+def _ext(code: int, value: Any) -> msgspec.msgpack.Ext:
+    return msgspec.msgpack.Ext(code, _state_encoder.encode(value))
+
+
+def _tree(o: Any, kinds: StateKinds) -> Any:
+    t = type(o)
+    if o is None or t in (bool, int, float, str, bytes):
+        return o
+    if t is list:
+        return [_tree(v, kinds) for v in o]
+    if t is dict:
+        if all(type(k) is str for k in o):
+            return {k: _tree(v, kinds) for k, v in o.items()}
+        return _ext(_DICT, [[_tree(k, kinds), _tree(v, kinds)] for k, v in o.items()])
+    if t is OrderedDict:
+        return _ext(_ODICT, [[_tree(k, kinds), _tree(v, kinds)] for k, v in o.items()])
+    if t is tuple:
+        return _ext(_TUPLE, [_tree(v, kinds) for v in o])
+    if t is deque:
+        return _ext(_DEQUE, [o.maxlen, [_tree(v, kinds) for v in o]])
+    if t is np.ndarray:
+        return _ext(_ARRAY, [o.dtype.str, list(o.shape), np.ascontiguousarray(o).tobytes()])
+    if isinstance(o, np.generic):
+        return _ext(_SCALAR, [o.dtype.str, o.tobytes()])
+    if t in kinds.reduce:
+        reduced, to = kinds.reduce[t]
+        return _ext(_REDUCED, [reduced, _tree(to(o), kinds)])
+    name = kinds.names.get(t)
+    if name is None:
+        raise TypeError(f"a {t.__module__}.{t.__qualname__} is not data that can move to another process")
+    if isinstance(o, enum.Enum):
+        return _ext(_ENUM, [name, _tree(o.value, kinds)])
+    try:
+        fields = vars(o)
+    except TypeError:  # __slots__: no attributes to set again
+        raise TypeError(f"a {t.__qualname__} keeps no attributes of its own (__slots__): it cannot be moved") from None
+    return _ext(_OBJECT, [name, {k: _tree(v, kinds) for k, v in fields.items()}])
+
+
+def unpack_state(data: bytes, kinds: StateKinds) -> Any:
+    """What `pack_state` packed; ProtocolError for bytes that are not such a state or name a
+    class `kinds` does not."""
+
+    def hook(code: int, body: memoryview) -> Any:
+        v = decoder.decode(body)
+        if code in (_DICT, _ODICT):
+            return (dict if code == _DICT else OrderedDict)((k, x) for k, x in v)
+        if code == _TUPLE:
+            return tuple(v)
+        if code == _DEQUE:
+            return deque(v[1], maxlen=v[0])
+        if code == _ARRAY:
+            return np.frombuffer(v[2], dtype=np.dtype(v[0])).reshape(v[1]).copy()
+        if code == _SCALAR:
+            return np.frombuffer(v[1], dtype=np.dtype(v[0]))[0]
+        if code == _REDUCED:
+            return kinds.build[v[0]](v[1])
+        cls = kinds.classes[v[0]]
+        if code == _ENUM:
+            return cls(v[1])
+        if code == _OBJECT:
+            obj: Any = object.__new__(cls)
+            obj.__dict__.update(v[1])  # as it was: no __init__, no __setattr__ (a frozen dataclass)
+            return obj
+        raise ValueError(f"unknown extension {code}")
+
+    decoder = msgspec.msgpack.Decoder(ext_hook=hook)
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, KeyError, ValueError, TypeError, IndexError) as e:
+        raise ProtocolError(f"an object state that cannot be read: {e!r}") from None

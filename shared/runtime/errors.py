@@ -143,6 +143,12 @@ class BusUnavailable(BusError):
     """Not connected, the connection closed, or no one answers on that subject."""
 
 
+class BusNoResponders(BusUnavailable):
+    """A request no subscriber of its subject answers: nobody is there now (where one may be
+    later, as for any BusUnavailable; where exactly one holder subscribes, as a realtime
+    session's, it means no one holds it)."""
+
+
 class BusLost(BusUnavailable):
     """The connection cannot mend itself (deaf past a bound, or closed for good: see
     shared/bus/link.py): only a new process gets a new one."""

@@ -144,3 +144,17 @@ class RealtimeMapping(ABC):
     @abstractmethod
     def on_output(self, output: dict[str, Any]) -> list[ModelEvent]:
         """The realtime meaning of one model output (none: an output with no realtime meaning)."""
+
+    def state(self) -> dict[str, Any]:
+        """What the session needs of this mapping to go on in another process: a session whose
+        client resumes it on another frontend moves there, where a fresh mapping of the model
+        (`Model.realtime_mapping()`) is given this (`restore`). By default the object's
+        attributes, which must then be data: None, bool, int, float, str, bytes, lists,
+        tuples, dicts, deques, numpy arrays and numbers, and this module's types. A mapping
+        that holds anything else gives what it needs here and takes it back in `restore`
+        (where it cannot, the session cannot move: a resume on another frontend is refused)."""
+        return dict(vars(self))
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take up where the mapping whose `state()` this is left off."""
+        vars(self).update(state)

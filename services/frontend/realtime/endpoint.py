@@ -5,7 +5,9 @@ One socket, one session, one live call opened through the frontend's own call ma
 timeouts are those of `/generate/ws`. Every server event is also stored in the stream
 (`call.{cid}.rt`, `EventLog`): a client whose socket dropped comes back within
 `realtime.resume_grace_s` with `session.resume` and gets every event it missed read back
-from there, then the live ones.
+from there, then the live ones. It may come back to any frontend: the token names the call,
+the frontend holding the session answers for it on the bus (`subjects.realtime_take`) and
+lets it go, and the one the client reached takes it up (`RealtimeHub.hand_over`, `_take`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any
 import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.frontend import moves
 from services.frontend.outbox import Outbox, Reply, to_json
 from services.frontend.protocol import Append, EndInput, Opening, over_bytes, too_big_error
 from services.frontend.realtime import events as ev
 from services.frontend.realtime.session import (
+    STATE_FORMAT,
     Close,
     EndCallInput,
     Out,
@@ -35,14 +39,26 @@ from services.frontend.realtime.session import (
     SessionLimits,
     SessionState,
     event_number,
+    resume_token,
+    token_cid,
 )
 from services.frontend.relayed_call import RelayedCall
 from services.frontend.service import FrontendService
-from services.frontend.shares import Share, open_shared
+from services.frontend.shares import Share, moved_in, open_shared
 from services.frontend.socket_session import told
 from services.frontend.websocket import SEND_NOW
 from shared.bus import subjects, wire
-from shared.runtime.errors import BadRequest, BusError, DuplexError, LimitExceeded, Overloaded, TooManyCalls
+from shared.bus.connection import BusConnection, BusMsg, BusSubscription
+from shared.runtime.errors import (
+    BadRequest,
+    BusError,
+    BusNoResponders,
+    DuplexError,
+    LimitExceeded,
+    Overloaded,
+    ProtocolError,
+    TooManyCalls,
+)
 from shared.runtime.process import TaskSet, cancel_and_wait
 from shared.sdk.model import ClientFile, ClientInput, Model
 
@@ -52,6 +68,7 @@ TICK_S = 0.25  # how often waiting responses are checked against their deadline
 RESUME_READ_S = 5.0  # how long a resume waits for the stream to hold every event it must send
 LOG_DRAIN_S = 2.0  # how long a session that ends waits for its last events to be stored
 CLOSE_FLUSH_S = 2.0  # how long a closing socket's queued events may take to go out (another ASGI server)
+TAKE_S = 5.0  # how long a resume waits for the frontend holding the session to let it go
 _decode_reply = msgspec.json.Decoder().decode
 
 
@@ -193,6 +210,12 @@ class LiveSession:
         self.expiry: asyncio.TimerHandle | None = None
         self.closed = asyncio.Event()  # the session is over (socket to be closed)
         self.close_code = (1000, "")
+        self.share: Share | None = None  # its call's share of the frontend (`shares.py`)
+        self.started = time.monotonic()  # for realtime.max_session_s
+        # A client event's outcome, the session's end and its move to another frontend: one at a time.
+        self.busy = asyncio.Lock()
+        self.moved = False  # it moved to another frontend: nothing of it is done here any more
+        self.take_sub: BusSubscription | None = None  # where other frontends ask for it
 
     # -- the call ------------------------------------------------------------------------
     async def open(self, share: Share | None = None) -> None:
@@ -201,14 +224,22 @@ class LiveSession:
         # Every message reaches `sink` (as JSON bytes), with no bound of the call's own: the
         # session's events go to its socket through the session's outbox.
         opening = Opening(self.rid, self.model_name, ClientInput())
+        self.share = share
         call = await open_shared(share, self.svc.open_call, opening, Outbox(self.sink))
         self.call = call
+        self.core.resume_token = resume_token(call.cid, self.core.resume_token)
+        self.start(call)
+
+    def start(self, call: RelayedCall) -> None:
+        """The session's tasks, once it holds its call (opened, or taken over)."""
         self.log = EventLog(self.svc, call.cid)
         self.tasks.spawn(self.log.run())
         self.tasks.spawn(self._ticks())
 
     def sink(self, reply: Reply) -> None:
         """The call's messages (relayed outputs, its finish or error), from the service."""
+        if self.moved:
+            return
         msg = reply if isinstance(reply, dict) else _decode_reply(to_json(reply))
         now = time.monotonic()
         if "output" in msg:
@@ -221,6 +252,8 @@ class LiveSession:
 
     def deliver(self, out: Out) -> None:
         """Events to the log and the socket (if one is attached); a Close ends the session."""
+        if self.moved:  # another frontend numbers its events now
+            return
         for e in out.events:
             data = to_json(e)
             n = event_number(e["event_id"])
@@ -259,9 +292,8 @@ class LiveSession:
                 self.deliver(self.core.error("invalid_value", told(e), None, eid))
 
     async def _ticks(self) -> None:
-        started = time.monotonic()
         limit = self.svc.config.realtime.max_session_s
-        while self.core.state is not SessionState.CLOSED:
+        while self.core.state is not SessionState.CLOSED and not self.moved:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
             call = self.call
@@ -269,7 +301,7 @@ class LiveSession:
                 # A session lives while its socket does (the server's pings find a dead client):
                 # a client that waits is no idle call for request_timeout_s.
                 call.input.touch(now)
-            if call is not None and now - started >= limit and not call.ended.is_set():
+            if call is not None and now - self.started >= limit and not call.ended.is_set():
                 why = f"the session reached its maximum duration of {limit:g} s (realtime.max_session_s)"
                 await self.svc.abort(call, why, 408, tell_client=True)
             self.deliver(self.core.tick(now))
@@ -285,9 +317,12 @@ class LiveSession:
         except ev.ClientError as e:
             self.deliver(self.core.refused(e))
             return
-        if self.call is not None:
-            self.call.input.touch(time.monotonic())
-        await self.act(self.core.handle(event, time.monotonic()))
+        async with self.busy:
+            if self.moved:
+                return  # its socket is being closed
+            if self.call is not None:
+                self.call.input.touch(time.monotonic())
+            await self.act(self.core.handle(event, time.monotonic()))
 
     # -- sockets -------------------------------------------------------------------------
     def attach(self, outbox: EventSender) -> None:
@@ -304,15 +339,26 @@ class LiveSession:
         self.expiry = asyncio.get_running_loop().call_later(grace, lambda: self.hub.spawn(self.end("resume grace period over")))
 
     async def end(self, reason: str) -> None:
-        """The session is over without a goodbye: abort its call (frees its slot) and stop."""
-        self.hub.detached.pop(self.core.resume_token, None)
-        if self.expiry is not None:
-            self.expiry.cancel()
-        if self.call is not None and not self.call.ended.is_set():
-            await self.svc.abort(self.call, reason, 499)
-        await self.stop()
+        """The session is over without a goodbye: abort its call (frees its slot) and stop.
+        Nothing where it moved to another frontend (its grace period ran out meanwhile)."""
+        async with self.busy:
+            if self.moved:
+                return
+            self.hub.detached.pop(self.core.resume_token, None)
+            if self.expiry is not None:
+                self.expiry.cancel()
+            if self.call is not None and not self.call.ended.is_set():
+                await self.svc.abort(self.call, reason, 499)
+            await self.stop()
+
+    def unlisten(self) -> None:
+        """Other frontends ask for the session no more (it ended, or moved)."""
+        sub, self.take_sub = self.take_sub, None
+        if sub is not None:
+            self.hub.spawn(BusConnection.unsubscribe_all([sub]))
 
     async def stop(self) -> None:
+        self.unlisten()
         if self.log is not None:
             try:
                 await asyncio.wait_for(self.log.drain(), LOG_DRAIN_S)
@@ -427,51 +473,236 @@ class RealtimeHub:
         session.attach(outbox)
         self.attached[session.core.resume_token] = session
         session.deliver(session.core.created())
+        await self._listen(session)
         await self._run(ws, outbox, session)
 
     async def resume(self, outbox: EventSender, event: ev.ClientEvent, fresh: LiveSession | None) -> LiveSession | None:
         """`session.resume`: the session named by its token takes this socket, and the fresh
-        session this socket had opened (if any) is ended. An unknown token: an error, and
-        the fresh session goes on."""
+        session this socket had opened (if any) is ended. A session held by another frontend
+        is taken over from it (`_take`). An unknown token: an error, and the fresh session
+        goes on."""
         assert isinstance(event.action, ev.Resume)
         token, last = event.action.token, event.action.last_event_id
         old = self.detached.get(token) or self.attached.get(token)
         seen = event_number(last) if last else 0
+        cid = token_cid(token)
+        if old is None and seen is not None and cid is not None:
+            return await self._take(outbox, event, fresh, cid, seen)
         if old is None or old is fresh or seen is None or seen > old.core.n:
-            unknown = old is None or old is fresh
-            grace = self.svc.config.realtime.resume_grace_s
-            why = (
-                "no session to resume with this token: unknown, ended, or dropped more than"
-                f" realtime.resume_grace_s ({grace:g} s) ago"
-                if unknown
-                else "unknown last_event_id"
-            )
-            code, param = ("invalid_resume_token", "resume_token") if unknown else ("invalid_value", "last_event_id")
-            err = ev.ClientError(code, why, param, event.event_id)
-            if fresh is None:
-                outbox.send(to_json(standalone_error(code, why)))
-                await outbox.close(1008, "resume")
-                return None
-            fresh.deliver(fresh.core.refused(err))
-            return fresh
-        if fresh is not None:
-            self.attached.pop(fresh.core.resume_token, None)
-            await fresh.end("replaced by a resumed session")
-        if old.outbox is not None:  # its old socket has not noticed yet: this one takes over
-            previous = old.outbox
-            old.outbox = None
-            self.spawn(previous.close(4000, "resumed on another socket"))
-        self.detached.pop(token, None)
-        self.attached[token] = old
+            if old is None or old is fresh:
+                return await self._refuse(outbox, fresh, self._unknown(event.event_id))
+            return await self._refuse(outbox, fresh, self._bad_last(event.event_id))
+        async with old.busy:  # not while it moves to another frontend (a resume there at once)
+            if old.moved:
+                return await self._refuse(outbox, fresh, self._unknown(event.event_id))
+            if fresh is not None:
+                self.attached.pop(fresh.core.resume_token, None)
+                await fresh.end("replaced by a resumed session")
+            if old.outbox is not None:  # its old socket has not noticed yet: this one takes over
+                previous = old.outbox
+                old.outbox = None
+                self.spawn(previous.close(4000, "resumed on another socket"))
+            self.detached.pop(token, None)
+            self.attached[token] = old
+            return await self._replay(old, outbox, seen)
+
+    def _unknown(self, event_id: str | None) -> ev.ClientError:
+        grace = self.svc.config.realtime.resume_grace_s
+        why = (
+            "no session to resume with this token: unknown, ended, or dropped more than"
+            f" realtime.resume_grace_s ({grace:g} s) ago"
+        )
+        return ev.ClientError("invalid_resume_token", why, "resume_token", event_id)
+
+    @staticmethod
+    def _bad_last(event_id: str | None) -> ev.ClientError:
+        return ev.ClientError("invalid_value", "unknown last_event_id", "last_event_id", event_id)
+
+    @staticmethod
+    def _refusal(err: ev.ClientError) -> wire.RealtimeMove:
+        """A move refused: the error the asker gives its client."""
+        return wire.RealtimeMove(ok=False, code=err.code, error=err.message, param=err.param or "")
+
+    async def _refuse(self, outbox: EventSender, fresh: LiveSession | None, err: ev.ClientError) -> LiveSession | None:
+        """A resume refused: the error to this socket's own session, which goes on (none: the
+        error, and the socket closed)."""
+        if fresh is None:
+            outbox.send(to_json(standalone_error(err.code, err.message)))
+            await outbox.close(1008, "resume")
+            return None
+        fresh.deliver(fresh.core.refused(err))
+        return fresh
+
+    async def _replay(self, session: LiveSession, outbox: EventSender, seen: int) -> LiveSession | None:
+        """What the client missed, then the socket attached (`LiveSession.replay`)."""
         try:
-            await old.replay(outbox, seen)
+            await session.replay(outbox, seen)
         except Exception:  # a bug too: this socket still gets its error and close, the session waits for another
             log.exception("resuming a realtime session failed")
             outbox.send(to_json(standalone_error("server_error", "resume failed", "server_error")))
-            old.detach()
+            session.detach()
             await outbox.close(1011, "resume failed")
             return None
-        return old
+        return session
+
+    # -- sessions that move between frontends ----------------------------------------------
+    async def _listen(self, session: LiveSession) -> None:
+        """The session answers other frontends' asks for it (its client resumed it there)."""
+        assert session.call is not None
+
+        async def asked(msg: BusMsg) -> None:
+            await self._asked(session, msg)
+
+        try:
+            session.take_sub = await self.svc.bus.subscribe(subjects.realtime_take(session.call.cid), asked)
+        except BusError as e:
+            log.warning("realtime session %s can be resumed on this frontend only: %s", session.rid, e)
+
+    async def _asked(self, session: LiveSession, msg: BusMsg) -> None:
+        try:
+            take = wire.decode_as(msg.data, wire.RealtimeTake)
+        except ProtocolError as e:
+            log.warning("an ask for realtime session %s that cannot be read: %s", session.rid, e)
+            return
+        sub = session.take_sub
+        move = await self.hand_over(session, take)
+        try:
+            await self.svc.bus.answer(msg, wire.encode(move))
+        except BusError as e:  # it was let go all the same: the asker gives up, and the call ends with no holder
+            log.warning("realtime session %s: the answer to %s was not sent: %s", session.rid, take.frontend_id, e)
+        if move.ok and sub is not None:
+            # Last: unsubscribing stops the task this runs in.
+            self.spawn(BusConnection.unsubscribe_all([sub]))
+
+    async def hand_over(self, session: LiveSession, take: wire.RealtimeTake) -> wire.RealtimeMove:
+        """Another frontend asks for the session (its client resumed it there): unless the
+        token or last_event_id is wrong or the session is over, it is let go. What its
+        resamplers held goes out first; then, with no await in between, it stops here (its
+        old socket, if still open, is closed with 4000, and its grace period ends nothing)
+        and its call is handed over as it stands (`moves.hand_over`); its last events are
+        stored before the answer goes. The asker gets the session's state and its call's."""
+        async with session.busy:
+            refused = self._why_not(session, take)
+            if refused is not None:
+                return refused
+            call = session.call
+            assert call is not None
+            await session.act(session.core.let_go())
+            now = time.monotonic()
+            try:
+                state = session.core.snapshot(now)
+            except TypeError as e:  # the model's mapping holds what cannot move: the session stays here
+                log.warning("realtime session %s cannot move to another frontend: %s", session.rid, e)
+                return wire.RealtimeMove(ok=False, code="server_error", error=f"the session cannot move to another frontend: {e}")
+            if call.ended.is_set() or call.fin is not None:  # it ended while its resamplers' tails went out
+                return self._refusal(self._unknown(None))
+            session.moved = True
+            self.detached.pop(session.core.resume_token, None)
+            self.attached.pop(session.core.resume_token, None)
+            if session.expiry is not None:
+                session.expiry.cancel()
+                session.expiry = None
+            previous, session.outbox = session.outbox, None
+            if previous is not None:
+                self.spawn(previous.close(4000, "resumed on another socket"))
+            move = moves.hand_over(call, self.svc.frontend_id, state, now - session.started)
+            session.take_sub = None  # unsubscribed once the answer is sent (`_asked`)
+            await self.svc.hand_over(call)
+            await session.stop()  # its last events stored, its tasks stopped
+            log.info("realtime session %s (call %s) moved to frontend %s", session.rid, call.cid, take.frontend_id)
+            return move
+
+    def _why_not(self, session: LiveSession, take: wire.RealtimeTake) -> wire.RealtimeMove | None:
+        """Why the session is not let go to the asker (None: it is)."""
+        call = session.call
+        ended = session.closed.is_set() or session.core.state is not SessionState.ACTIVE
+        if session.moved or call is None or ended or call.ended.is_set() or call.fin is not None:
+            return self._refusal(self._unknown(None))
+        if not secrets.compare_digest(take.token.encode(), session.core.resume_token.encode()):
+            return self._refusal(self._unknown(None))
+        if take.last_seen > session.core.n:
+            return self._refusal(self._bad_last(None))
+        if take.session_format != STATE_FORMAT:
+            why = "the frontend holding the session runs another release: resume it there (or once both run one)"
+            return wire.RealtimeMove(ok=False, code="server_error", error=why)
+        return None
+
+    async def _take(
+        self, outbox: EventSender, event: ev.ClientEvent, fresh: LiveSession | None, cid: str, seen: int
+    ) -> LiveSession | None:
+        """A resume of a session this frontend does not hold: the frontend that holds it is
+        asked for it on the bus (only it answers). Once it has let go, the fresh session this
+        socket opened is ended, the session is taken up here, with its call (`_adopt`), and
+        what the client missed is read from the stream, as for a resume here."""
+        assert isinstance(event.action, ev.Resume)
+        if not self.svc.ready.is_set():  # stopping: it could not hold the session once it was let go
+            why = "this frontend is stopping; resume the session on another"
+            return await self._refuse(outbox, fresh, ev.ClientError("server_busy", why, None, event.event_id))
+        take = wire.RealtimeTake(
+            token=event.action.token, last_seen=seen, frontend_id=self.svc.frontend_id, session_format=STATE_FORMAT
+        )
+        try:
+            answer = await self.svc.bus.request(subjects.realtime_take(cid), wire.encode(take), TAKE_S)
+            move = wire.decode_as(answer, wire.RealtimeMove)
+        except BusNoResponders:  # no frontend holds it
+            return await self._refuse(outbox, fresh, self._unknown(event.event_id))
+        except (BusError, ProtocolError) as e:
+            log.warning("resuming realtime session of call %s: asking for it failed: %s", cid, e)
+            why = "the frontend holding the session did not answer in time; try again"
+            return await self._refuse(outbox, fresh, ev.ClientError("server_error", why, None, event.event_id))
+        if not move.ok:
+            err = ev.ClientError(move.code or "invalid_resume_token", move.error, move.param or None, event.event_id)
+            return await self._refuse(outbox, fresh, err)
+        # Let go there: nobody but this frontend holds the session and its call now.
+        share = fresh.share if fresh is not None else None
+        if fresh is not None:
+            self.attached.pop(fresh.core.resume_token, None)
+            await fresh.end("replaced by a resumed session")
+        try:
+            session = await self._adopt(cid, move, share)
+        except Exception as e:  # the call was aborted (`FrontendService.adopt`); a bug is logged too
+            if not isinstance(e, DuplexError | ValueError):
+                log.exception("taking up realtime session of call %s failed", cid)
+            else:
+                log.warning("taking up realtime session of call %s failed: %s", cid, e)
+            outbox.send(to_json(standalone_error("server_error", "resume failed", "server_error")))
+            await outbox.close(1011, "resume failed")
+            return None
+        self.attached[session.core.resume_token] = session
+        return await self._replay(session, outbox, seen)
+
+    async def _adopt(self, cid: str, move: wire.RealtimeMove, share: Share | None) -> LiveSession:
+        """The session another frontend let go, held here: its state taken up, its call held
+        (listed as adopted in a heartbeat stored before that frontend is told it may stop
+        listing it), asked for here from now on."""
+        model = self.svc.model(move.model)
+        mapping = model.realtime_mapping()
+        now = time.monotonic()
+        try:
+            if mapping is None:
+                raise ValueError(f"model {move.model!r} is not served over /v1/realtime here")
+            core = RealtimeSession.restored(move.session, mapping, now)
+        except Exception as e:  # a state this frontend cannot take up: nobody holds the call, so it ends
+            await self.svc.abort_unheld(cid, f"the session's state could not be taken up: {e!r}")
+            raise
+        session = LiveSession(self, move.model, model, core, move.request_id or f"rt-{core.sid}")
+        session.share = share
+        session.started = now - move.age_s
+        call = await self.svc.adopt(cid, move, Outbox(session.sink))
+        call.on_end = moved_in(share)
+        session.call = call
+        session.start(call)
+        await self._listen(session)
+        try:
+            await self.svc.beat_now()
+        except BusError as e:  # the other frontend lists the call for LEND_S, and a periodic beat comes first
+            log.warning("realtime session %s: a heartbeat listing its call now failed: %s", session.rid, e)
+        try:
+            taken = wire.RealtimeTaken(frontend_id=self.svc.frontend_id)
+            await self.svc.bus.publish(subjects.realtime_taken(cid), wire.encode(taken))
+        except BusError as e:  # it lists the call for LEND_S
+            log.warning("realtime session %s: telling frontend %s it holds the call failed: %s", session.rid, move.frontend_id, e)
+        return session
 
     async def _run(self, ws: WebSocket, outbox: EventSender, session: LiveSession) -> None:
         first = True
@@ -526,8 +757,8 @@ class RealtimeHub:
                 await cancel_and_wait(*pending)
 
     async def _left(self, session: LiveSession, outbox: EventSender, code: int) -> None:
-        if session.outbox is not outbox and session.outbox is not None:
-            return  # taken over by a resumed socket
+        if session.moved or (session.outbox is not outbox and session.outbox is not None):
+            return  # taken over by a resumed socket (here, or on another frontend: this one was closed then)
         if session.closed.is_set() or session.core.state is SessionState.CLOSED:
             self.attached.pop(session.core.resume_token, None)
             await session.stop()

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from services.frontend.realtime import events as ev
+from shared.bus import subjects, wire
 from shared.runtime.states import checked
 from shared.sdk.audio import Resampler, b64_pcm16, resample_pcm16
 from shared.sdk.realtime import (
@@ -46,6 +47,10 @@ from shared.sdk.realtime import (
     TurnTaking,
 )
 
+# The layout of `RealtimeSession.snapshot`: raised with any change to the session's attributes
+# (or to what one holds), so a frontend never takes up a session left by one that laid it
+# out otherwise (a resume across two releases is refused before anything moves).
+STATE_FORMAT = 1
 KEEP_ITEMS = 64  # assistant items a truncate may name (the most recent ones)
 KEEP_CONVERSATION = 256  # conversation items a retrieve or delete may name (the most recent ones)
 MIN_COMMIT_MS = 100  # OpenAI's least committed audio (input_audio_buffer_commit_empty below it)
@@ -140,6 +145,18 @@ class Response:
 
     def move(self, to: ResponseState) -> None:
         self.state = checked(f"response {self.id}", self.state, to, RESPONSE_MOVES)
+
+
+def resume_token(cid: str, secret: str) -> str:
+    """The token a session's client resumes it with: its call's id, which any frontend can
+    ask the bus for (`subjects.realtime_take`), and a secret only the session's holder knows."""
+    return f"{cid}.{secret}"
+
+
+def token_cid(token: str) -> str | None:
+    """The call id a resume token names (None: not a token of this form)."""
+    cid, dot, secret = token.partition(".")
+    return cid if dot and secret and subjects.is_cid(cid) else None
 
 
 def event_number(event_id: str | None) -> int | None:
@@ -833,6 +850,67 @@ class RealtimeSession:
             self._emit("session.closed")
         self._act(Close(*_close_code(status)))
         return self._take()
+
+    # -- moving to another frontend -----------------------------------------------------
+    def let_go(self) -> Out:
+        """The session is about to move to another frontend: what its resamplers hold goes
+        out now (the input's into the call or the held buffer, the reply's as its audio), so
+        no sample is lost and the filters start afresh there, as at a change of rate."""
+        self._route(self.resampler.flush(), None)
+        r = self.response
+        if r is not None and r.state is ResponseState.SPEAKING and not self.dropping and not self.holding:
+            self._reply_audio(r, None)
+        return self._take()
+
+    def snapshot(self, now: float) -> bytes:
+        """The session as data (`restored` takes it up on another frontend, where the
+        monotonic clock differs: its times travel as they stand against `now`)."""
+        assert not self._out.events and not self._out.actions  # every outcome was taken
+        fields = {k: v for k, v in vars(self).items() if k not in ("mapping", "_out")}
+        fields.update(mapping=self.mapping.state(), clock=now, format=STATE_FORMAT)
+        return wire.pack_state(fields, STATE_KINDS)
+
+    @classmethod
+    def restored(cls, data: bytes, mapping: RealtimeMapping, now: float) -> RealtimeSession:
+        """The session whose `snapshot` this is, with `mapping` (a fresh one of its model) taking
+        up its mapping's state, its times moved to this clock's `now`."""
+        fields = wire.unpack_state(data, STATE_KINDS)
+        if fields.pop("format", None) != STATE_FORMAT:
+            raise ValueError("a session state of another layout (a frontend of another release)")
+        shift = now - float(fields.pop("clock"))
+        mapping.restore(fields.pop("mapping"))
+        s = object.__new__(cls)
+        vars(s).update(fields, mapping=mapping, _out=Out())
+        s.now += shift
+        if s.idle_at is not None:
+            s.idle_at += shift
+        if s.response is not None:
+            s.response.deadline += shift
+        return s
+
+
+STATE_KINDS = wire.StateKinds(
+    [
+        SessionState,
+        ResponseState,
+        Response,
+        SessionLimits,
+        ev.TurnDetection,
+        TurnSettings,
+        TurnTaking,
+        SpeechStarted,
+        SpeechStopped,
+        InputTranscript,
+        ReplyStarted,
+        ReplyAudio,
+        ReplyText,
+        ReplyEnded,
+        ReplyCut,
+    ],
+    # A resampler's filter is native state: it travels as its rates (flushed first: `let_go`).
+    {Resampler: (lambda r: [r.rate_in, r.rate_out], lambda v: Resampler(int(v[0]), int(v[1])))},
+)
+"""What a session's state holds besides data: its own types and the realtime mapping's."""
 
 
 def _code(status: int) -> str:
