@@ -1,16 +1,20 @@
-"""Stored publishes and KV writes through shared/bus/acks.py against a real server: they leave
-nats-py's JetStream publish aside (a request per message, at more than twice the CPU), and
-give what it gives: the stream sequence, or the same BusErrors for the same failures."""
+"""Stored publishes, KV writes and requests through shared/bus/acks.py against a real server:
+they leave nats-py's JetStream publish and request aside (at more than twice the CPU), and
+give what those give: the stream sequence or the reply, or the same BusErrors for the same
+failures."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
+from nats.aio.client import Client
 from nats.js.client import JetStreamContext
 
 from shared.bus import subjects
-from shared.runtime.errors import BusUnavailable, KeyTaken
+from shared.bus.connection import BusMsg
+from shared.runtime.errors import BusTimeout, BusUnavailable, KeyTaken
 from tests.support.bus import bus_client
 
 
@@ -42,3 +46,31 @@ async def test_stores_and_kv_writes_are_acked_without_nats_py_publish(nats_url: 
         assert await rids.create(key, b"cid-4") > revision  # over the removal's marker
         with pytest.raises(BusUnavailable, match="no response from stream"):
             await conn.store("nowhere.stored", b"x")  # no stream captures it
+
+
+async def test_requests_are_answered_without_nats_py_request(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conductor's assignments and liveness asks: the reply, or nats-py's failures as the
+    same BusErrors (nobody subscribed, no reply in time)."""
+    async with bus_client(nats_url, "test-acks-requests") as conn:
+
+        async def answer(m: BusMsg) -> None:
+            await conn.answer(m, b"re: " + m.data)
+
+        async def silent(m: BusMsg) -> None:
+            pass
+
+        await conn.subscribe("test.acks.ask", answer)
+        await conn.subscribe("test.acks.silent", silent)
+        await conn.round_trip(2)
+
+        async def not_this_way(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError("a request went through nats-py's request")
+
+        monkeypatch.setattr(Client, "request", not_this_way)
+        assert await asyncio.gather(*(conn.request("test.acks.ask", f"{i}".encode(), 2.0) for i in range(20))) == [
+            f"re: {i}".encode() for i in range(20)
+        ]
+        with pytest.raises(BusUnavailable):
+            await conn.request("test.acks.nobody", b"", 2.0)
+        with pytest.raises(BusTimeout):
+            await conn.request("test.acks.silent", b"", 0.2)

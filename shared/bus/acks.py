@@ -1,4 +1,4 @@
-"""JetStream publishes awaited for their ack, every ack on one inbox subscription.
+"""JetStream publishes awaited for their ack, and requests, every reply on one inbox subscription.
 
 nats-py's `JetStreamContext.publish` makes each publish a request (a new token, a future in
 its response map, `asyncio.wait_for`), and turns each ack into a `PubAck` dataclass: about
@@ -8,9 +8,10 @@ messages over its life (its request_id, its open, its records, the workers' barr
 dones, its fin), and an open storm stores hundreds of them within a tenth of a second in
 every process at once.
 
-What a caller sees is what nats-py's publish gives: the stream sequence, or nats-py's own
-exceptions (no responders, a timeout, the server's API error), which `failures.mapped`
-turns into BusErrors as before.
+Requests (the conductor's assignments, two a call) go the same way: nats-py's `request`
+costs alike. What a caller sees is what nats-py gives: the stream sequence or the reply, or
+nats-py's own exceptions (no responders, a timeout, the server's API error), which
+`failures.mapped` turns into BusErrors as before.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import re
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, InvalidKeyError, NoStreamResponseError
@@ -64,6 +66,26 @@ class Acks:
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
+    async def request(self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None) -> Msg:
+        """A request and its one reply, as nats-py's `request` gives it (NoRespondersError
+        where nobody is subscribed, its TimeoutError where no reply comes in time)."""
+        prefix = await self._inbox()
+        self._next += 1
+        token = str(self._next)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Msg] = loop.create_future()
+        self._waiting[token] = fut
+        expiry = loop.call_later(timeout, _expire, fut)
+        try:
+            await self._nc.publish(subject, body, reply=f"{prefix}.{token}", headers=headers)
+            msg = await fut
+        finally:
+            expiry.cancel()
+            self._waiting.pop(token, None)
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            raise NoRespondersError
+        return msg
+
     async def publish(
         self,
         subject: str,
@@ -73,23 +95,12 @@ class Acks:
         msg_ttl: float | None = None,
     ) -> int:
         """Store `body` on `subject` and return its stream sequence once the stream has it."""
-        prefix = await self._inbox()
         if msg_ttl is not None:
             headers = {**(headers or {}), api.Header.MSG_TTL: str(int(msg_ttl))}
-        self._next += 1
-        token = str(self._next)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Msg] = loop.create_future()
-        self._waiting[token] = fut
-        expiry = loop.call_later(timeout or ACK_TIMEOUT_S, _expire, fut)
         try:
-            await self._nc.publish(subject, body, reply=f"{prefix}.{token}", headers=headers)
-            msg = await fut
-        finally:
-            expiry.cancel()
-            self._waiting.pop(token, None)
-        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
-            raise NoStreamResponseError
+            msg = await self.request(subject, body, timeout or ACK_TIMEOUT_S, headers)
+        except NoRespondersError:
+            raise NoStreamResponseError from None  # as nats-py's JetStream publish says it
         ack = json.loads(msg.data)
         if "error" in ack:
             APIError.from_error(ack["error"])  # raises the error's own class, as nats-py's publish does

@@ -473,7 +473,7 @@ class BusConnection:
 
     async def request(self, subject: str, body: bytes, timeout: float) -> bytes:
         with mapped(f"asking {subject}", self._denials):
-            reply = await self._nc.request(subject, body, timeout=timeout)
+            reply = await self.acks.request(subject, body, timeout)
         return bytes(reply.data)
 
     # -- subscribing -----------------------------------------------------------
