@@ -361,3 +361,24 @@ def test_a_call_survives_its_record_unchanged() -> None:
     back = core.Call.from_record(call.record())
     assert back.record() == call.record()
     assert (back.state, back.placement, back.open_streams) == (call.state, call.placement, call.open_streams)
+
+
+def test_a_batch_writes_each_calls_record_once_its_last_where_it_stood() -> None:
+    """core.coalesce: a storm's fetch of opens keeps one put per call, in order; a call whose
+    end of input and dones come in one fetch has its record deleted, not put twice first;
+    every other action stays, in order."""
+    c = conductor(max_concurrent_requests=10)
+    c.handle(hb("w1", PARTS))
+    storm = [a for cid in ("a", "b", "c") for a in c.handle(opened(cid))]
+    assert core.coalesce(storm) == storm  # one record per call: nothing dropped
+    for a in storm:
+        if isinstance(a, core.SendAssign):
+            ack_all(c, a.msg.cid, [a])
+    end = c.handle(core.InputEnded("a", "audio_in", 5))
+    end += c.handle(core.InputEnded("b", "audio_in", 5))
+    end += c.handle(core.PartitionDone("a", wire.Done(partition="Encoder", worker_id="w1", outputs=0, usage={})))
+    end += c.handle(core.PartitionDone("a", wire.Done(partition="Talker", worker_id="w1", outputs=5, usage={})))
+    assert [type(a).__name__ for a in end] == ["SaveRecord", "SaveRecord", "SaveRecord", "PublishFin", "DeleteRecord"]
+    kept = core.coalesce(end)
+    assert kept == [end[1], end[3], end[4]]  # b's put; a's fin, then its delete alone
+    assert isinstance(kept[0], core.SaveRecord) and kept[0].record.cid == "b"

@@ -173,6 +173,26 @@ class DeleteRecord:
 Action = SendAssign | PublishFin | PublishAbort | SaveRecord | DeleteRecord
 
 
+def coalesce(actions: list[Action]) -> list[Action]:
+    """The actions of a batch of events, in order, with each call's record written once: its
+    last SaveRecord or DeleteRecord, where it stood, the earlier ones dropped (a KV key holds
+    its last write; the batch's messages are acknowledged only once its writes are stored, so
+    a conductor that stops before has every event of the batch again). A call's end whose
+    end of input and dones come in one fetch then costs its record one delete instead of two
+    puts and a delete; an open storm's batch, one put per call as before."""
+    last: dict[str, int] = {}
+    for i, a in enumerate(actions):
+        if isinstance(a, SaveRecord):
+            last[a.record.cid] = i
+        elif isinstance(a, DeleteRecord):
+            last[a.cid] = i
+    return [
+        a
+        for i, a in enumerate(actions)
+        if not isinstance(a, SaveRecord | DeleteRecord) or last[a.record.cid if isinstance(a, SaveRecord) else a.cid] == i
+    ]
+
+
 @dataclass
 class Worker:
     worker_id: str

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 ASSIGN_RETRY_S = 0.25  # an assignment nobody was subscribed to is asked again after this
 MAX_UNSETTLED = 1024  # events whose writes are under way: past this the ordered path waits
+BATCH = 256  # events handled before their writes are started together (a fetch holds up to 256)
 TICK_S = 0.5  # liveness, timeouts and the janitor are looked at this often
 WATCH_POLL_S = 0.5  # a watch's wait is cut this short, to notice a reconnect or a silent watch
 JANITOR_S = 1.0  # how often the stream's size is looked at and finished calls removed
@@ -160,36 +161,52 @@ class ConductorService:
                 await self.events.put((ev, m))
 
     async def _process(self) -> None:
-        """The one task that calls the core: events are handled strictly in order.
+        """The one task that calls the core: events are handled strictly in order, a batch at
+        a time (what is queued when the task comes round, up to BATCH: a fetch's opens in a
+        storm, say).
 
-        Their writes are started in that order but not awaited here: the next event does not
+        The batch's writes are started in order but not awaited here: the next batch does not
         wait on this one's round trips (a record, a fin, a request_id). NATS keeps one
-        connection's messages in order, so a call's records are stored in the order written.
-        The event's own message is acknowledged only once its writes are stored, so a
-        conductor that dies in between gets it again. At most MAX_UNSETTLED events wait so.
+        connection's messages in order, so a call's records are stored in the order written;
+        within a batch each call's record is written once, its last (core.coalesce). The
+        batch's messages are acknowledged only once its writes are stored, so a conductor
+        that dies in between gets them again. At most MAX_UNSETTLED events wait so.
         """
         while True:
-            ev, msg = await self.events.get()
+            batch = [await self.events.get()]
+            while len(batch) < BATCH and not self.events.empty():
+                batch.append(self.events.get_nowait())
+            actions: list[core.Action] = []
+            now = time.monotonic()
+            for ev, _ in batch:
+                try:
+                    done = self.core.handle(ev)
+                    self.observer.after(ev, done, now)
+                except Exception:
+                    log.exception("handling %r failed", ev)
+                    continue
+                actions.extend(done)
             try:
-                actions = self.core.handle(ev)
-                self.observer.after(ev, actions, time.monotonic())
-                writes = self._execute(actions)
+                writes = self._execute(core.coalesce(actions))
             except Exception:
-                log.exception("handling %r failed", ev)
+                log.exception("carrying out the actions of %d events failed", len(batch))
                 writes = []
-            if writes or msg is not None:
-                await self._unsettled.acquire()
-                self.tasks.spawn(self._settle(ev, writes, msg))
+            msgs = [m for _, m in batch if m is not None]
+            if writes or msgs:
+                for _ in batch:
+                    await self._unsettled.acquire()
+                self.tasks.spawn(self._settle(len(batch), writes, msgs))
 
-    async def _settle(self, ev: core.Event, writes: list[asyncio.Task[Any]], msg: BusMsg | None) -> None:
+    async def _settle(self, events: int, writes: list[asyncio.Task[Any]], msgs: list[BusMsg]) -> None:
         try:
             for result in await asyncio.gather(*writes, return_exceptions=True):
                 if isinstance(result, Exception):
-                    log.error("a write for %r failed: %r", ev, result)
-            if msg is not None:
+                    log.error("a write failed: %r", result)
+            for msg in msgs:
                 await self._ack(msg)
         finally:
-            self._unsettled.release()
+            for _ in range(events):
+                self._unsettled.release()
 
     def _execute(self, actions: list[core.Action]) -> list[asyncio.Task[Any]]:
         """Start each action's writes, in order (a task's first step writes its message, and
