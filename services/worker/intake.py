@@ -25,7 +25,7 @@ from shared.runtime.errors import BusError, DuplexError
 from shared.runtime.process import TaskSet
 from shared.runtime.stats import Reservoir
 from shared.sdk.chunking import Item
-from shared.sdk.topology import PartitionTopology
+from shared.sdk.topology import CLIENT, PartitionTopology
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +216,10 @@ class Intake:
         sequence `upto` where given): True once read to the end, False where it stopped for
         want of room, None where the call ended."""
         cid = call.cid
-        # abort and fin too: a call that ended before we subscribed must not hold a slot forever
-        filters = [subjects.consumed(cid, e) for e in r.edges] + [subjects.abort(cid), subjects.fin(cid)]
+        # abort and fin too: a call that ended before we subscribed must not hold a slot forever.
+        # Each edge's two subjects by name, not consumed()'s wildcard: a direct get on a wildcard
+        # filter costs the server about 1 ms, on a subject it names 30 to 60 us.
+        filters = [s for e in r.edges for s in self._consumed(cid, e)] + [subjects.abort(cid), subjects.fin(cid)]
         # aclosing: a read left early ends its consumer now, not when the generator is collected
         read = self.ctx.bus.read_stored(filters, after=self.reads.read_to(cid, r.partition), batch=READ_BATCH, upto=upto)
         async with contextlib.aclosing(read) as stored:
@@ -233,6 +235,12 @@ class Intake:
                 await self._carry_out(*took)
                 self.reads.read_progress(cid, r.partition, r.read_id, seq)
         return True
+
+    def _consumed(self, cid: str, edge: str) -> tuple[str, str]:
+        """The subjects of an edge's items and end (subjects.consumed's two, by name)."""
+        if self.producer_of.get(edge, CLIENT) == CLIENT:
+            return subjects.input_(cid, edge), subjects.eoi(cid, edge)
+        return subjects.edge(cid, edge), subjects.edge_end(cid, edge)
 
     async def _barrier(self, call: AssignedCall) -> int | None:
         """Store a Placed message (see wire.Placed): once it is stored, so is any input published

@@ -9,6 +9,9 @@ A batched direct get (`$JS.API.DIRECT.GET.<stream>` with `next_by_subj` and `bat
 nats-server 2.11 and later) answers one request per filter and page with the messages
 themselves, then an end-of-batch status; the server keeps nothing.
 
+A filter that names its subject costs the server 30 to 60 µs a page; one with a wildcard about
+1 ms (bench/admission_cost.py --ops): readers name their subjects.
+
 It is used only where it reads exactly what a consumer would:
 
 - on a stream with one replica: the one server that stores it answers. A replicated stream's
@@ -38,8 +41,11 @@ MIN_SERVER = (2, 11)  # batched direct gets
 
 @dataclass
 class _Page:
+    subject_filter: str
+    token: str
+    done: asyncio.Future[tuple[str, int]]
     msgs: list[Msg] = field(default_factory=list)
-    done: asyncio.Future[tuple[str, int]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    expiry: asyncio.TimerHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class DirectReads:
         self._ready = asyncio.Lock()
 
     async def _inbox(self) -> str:
+        if self._prefix:
+            return self._prefix
         async with self._ready:
             if not self._prefix:
                 prefix = self._nc.new_inbox()
@@ -92,23 +100,37 @@ class DirectReads:
         pending = (msg.headers or {}).get("Nats-Num-Pending", "0")
         page.done.set_result((status, int(pending) if pending.isdigit() else 0))
 
-    async def page(self, subject_filter: str, start: int, batch: int) -> tuple[list[Msg], bool]:
-        """Up to `batch` messages on `subject_filter` from stream sequence `start` on, and
-        whether more follow them."""
+    async def _ask(self, subject_filter: str, start: int, batch: int) -> _Page:
+        """Ask for a page (its answer is awaited with `_answer`: a read asks for the first
+        pages of all its filters before it awaits any)."""
         prefix = await self._inbox()
         self._next += 1
-        token = str(self._next)
-        page = self._pages[token] = _Page()
-        doing = f"reading {subject_filter} directly"
+        loop = asyncio.get_running_loop()
+        page = _Page(subject_filter, str(self._next), loop.create_future())
+        self._pages[page.token] = page
+        page.expiry = loop.call_later(PAGE_TIMEOUT_S, _expire, page.done)
+        body = json.dumps({"seq": start, "next_by_subj": subject_filter, "batch": batch}).encode()
         try:
-            body = json.dumps({"seq": start, "next_by_subj": subject_filter, "batch": batch}).encode()
-            await self._nc.publish(self._api, body, reply=f"{prefix}.{token}")
-            try:
-                status, pending = await asyncio.wait_for(asyncio.shield(page.done), PAGE_TIMEOUT_S)
-            except TimeoutError:
-                raise BusTimeout(doing, f"no answer within {PAGE_TIMEOUT_S:g} s") from None
+            await self._nc.publish(self._api, body, reply=f"{prefix}.{page.token}")
+        except BaseException:
+            self._forget(page)
+            raise
+        return page
+
+    def _forget(self, page: _Page) -> None:
+        self._pages.pop(page.token, None)
+        if page.expiry is not None:
+            page.expiry.cancel()
+
+    async def _answer(self, page: _Page) -> tuple[list[Msg], bool]:
+        """The page's messages, and whether more follow them."""
+        doing = f"reading {page.subject_filter} directly"
+        try:
+            status, pending = await page.done
+        except TimeoutError:
+            raise BusTimeout(doing, f"no answer within {PAGE_TIMEOUT_S:g} s") from None
         finally:
-            self._pages.pop(token, None)
+            self._forget(page)
         if status == "404":  # nothing on the filter from `start` on
             return [], False
         if status == "503":
@@ -117,11 +139,21 @@ class DirectReads:
             raise BusRefused(doing, f"status {status}")
         return page.msgs, pending > 0
 
+    async def page(self, subject_filter: str, start: int, batch: int) -> tuple[list[Msg], bool]:
+        """Up to `batch` messages on `subject_filter` from stream sequence `start` on, and
+        whether more follow them."""
+        return await self._answer(await self._ask(subject_filter, start, batch))
+
     async def read(self, filters: list[str], after: int, upto: int, batch: int) -> AsyncGenerator[Stored, None]:
         """Every message on `filters` stored after sequence `after` and up to `upto`, in stream
         order. Each filter is read a page at a time, the first pages of all at once; a filter's
         next page is asked for once the merge has used up its last."""
-        first = await asyncio.gather(*(self.page(f, after + 1, batch) for f in filters))
+        asked = [await self._ask(f, after + 1, batch) for f in filters]
+        try:
+            first = [await self._answer(p) for p in asked]
+        finally:
+            for p in asked:
+                self._forget(p)
         queues: list[list[Stored]] = []  # each filter's messages not yet merged, the next one last
         more: list[bool] = []  # whether a filter has a page to come
         heads: list[tuple[int, int]] = []  # (seq, filter) of each filter's next message
@@ -148,6 +180,11 @@ def _upto(msgs: list[Msg], upto: int) -> tuple[list[Stored], int]:
     """A page's messages up to `upto`, the next one last, and the page's last sequence (0: none)."""
     stored = [_stored(m) for m in msgs]
     return [s for s in reversed(stored) if s.seq <= upto], stored[-1].seq if stored else 0
+
+
+def _expire(done: asyncio.Future[tuple[str, int]]) -> None:
+    if not done.done():
+        done.set_exception(TimeoutError())
 
 
 def _stored(msg: Msg) -> Stored:
