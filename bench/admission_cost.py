@@ -12,7 +12,7 @@
    `shared/bus/acks.py`; a catch-up read of a call's input (its four subjects, three items
    stored) through an ephemeral consumer and through direct gets up to a bound
    (`shared/bus/direct.py`); a direct get of a wildcard filter (`call.{cid}.*.audio_in`) and of
-   a subject named; 1000 of each at once, on a stream of 5000 messages: the client's CPU per
+   a subject named; 400 of each at once, on a stream of 3200 messages: the client's CPU per
    operation and the server's, best of `--rounds`.
 
     .venv/bin/python -m bench.admission_cost --calls 200 --rounds 2 --baseline b1f9182
@@ -224,7 +224,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="a git revision, run beside this tree round by round")
     ap.add_argument("--ops", action="store_true", help="the bus operations alone, in one process")
     args = ap.parse_args()
-    asyncio.run(ops(1000, max(3, args.rounds)) if args.ops else stacks(args))
+    asyncio.run(ops(400, max(3, args.rounds)) if args.ops else stacks(args))
 
 
 if __name__ == "__main__":
