@@ -46,6 +46,7 @@ OWN_METHODS: dict[type, set[str]] = {
         "backlog",
         "has_room",
         "_send_frame",
+        "_sent",
         "_flush",
         "_give_up",
         "_report",
