@@ -15,10 +15,11 @@ from services.frontend.calls import CallInput, InputState
 from services.frontend.outbox import Outbox
 from services.frontend.relayed_call import RelayedCall
 from services.frontend.service import FrontendService
-from services.frontend.socket_session import SocketSession
+from services.frontend.socket_session import BUS_TROUBLE, SocketSession
 from shared.bus import subjects
 from shared.runtime.config import parse_config
 from shared.runtime.errors import BusTimeout
+from tests.support.poll import until
 
 
 class FakeWS:
@@ -203,4 +204,74 @@ async def test_only_a_call_with_a_request_id_frees_one() -> None:
         svc.calls[cid] = call
         await svc._cleanup(call)
     assert bus.released == ["r"]  # no attempt on key "" (or None) for the one-shot without one
+    await svc.tasks.close()
+
+
+class OpeningBus:
+    """The bus as the service opens a call on it: a request_id bucket, subscriptions, items
+    published; the open's store waits until `stored` is set (then fails where `fails`)."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.kv = {subjects.KV_REQUEST_IDS: self}
+        self.log: list[str] = []
+        self.stored = asyncio.Event()
+        self.fails = fails
+
+    async def create(self, key: str, value: bytes) -> int:
+        return 1
+
+    async def release(self, key: str, owner: bytes, revision: int = 0) -> None:
+        self.log.append(f"release {key}")
+
+    async def subscribe_direct(self, subject: str, handler: Any) -> Any:
+        return SimpleNamespace(subject=subject)
+
+    async def publish(self, subject: str, body: bytes) -> None:
+        self.log.append(subject)
+
+    async def store_once(self, subject: str, body: bytes, patience_s: float = 0.0) -> None:
+        if subject.endswith(".open"):
+            await self.stored.wait()
+            if self.fails:
+                raise BusTimeout(f"storing {subject}", "no answer in time")
+        self.log.append(subject)
+
+
+async def test_a_live_calls_input_flows_while_its_open_is_stored_and_its_end_waits_for_it() -> None:
+    """In an open storm the open's store waits behind hundreds of others: the call's appends
+    go to the stream meanwhile (a worker reads them at placement), its end of input only once
+    the open is stored (the conductor reads a call's open first)."""
+    bus = OpeningBus()
+    svc = _service_on(bus)  # type: ignore[arg-type]
+    svc.ready.set()
+    ws = FakeWS()
+    session = SocketSession(ws.outbox, svc)
+    await session.handle(_msg(request_id="r"))
+    await until(lambda: session.live("r") is not None, 5, "the call held by its socket")
+    cid = session.calls["r"].cid
+    await session.handle(_msg(request_id="r", append=APPEND))
+    await until(lambda: subjects.input_(cid, "audio_in") in bus.log, 5, "the append published")
+    end = asyncio.create_task(session.handle(_msg(request_id="r", end_input=True)))
+    await asyncio.sleep(0.05)
+    assert subjects.open_(cid) not in bus.log and subjects.eoi(cid, "audio_in") not in bus.log
+    bus.stored.set()
+    await end
+    await until(lambda: subjects.eoi(cid, "audio_in") in bus.log, 5, "the end of input stored")
+    assert bus.log.index(subjects.open_(cid)) < bus.log.index(subjects.eoi(cid, "audio_in"))
+    await svc.tasks.close()
+
+
+async def test_a_live_call_whose_open_cannot_be_stored_ends_with_its_error() -> None:
+    bus = OpeningBus(fails=True)
+    svc = _service_on(bus)  # type: ignore[arg-type]
+    svc.ready.set()
+    ws = FakeWS()
+    session = SocketSession(ws.outbox, svc)
+    await session.handle(_msg(request_id="r"))
+    await until(lambda: session.live("r") is not None, 5, "the call held by its socket")
+    bus.stored.set()
+    await until(lambda: session.live("r") is None, 5, "the call ended")
+    assert not svc.calls and "release r" in bus.log
+    replies = [json.loads(m) for m in ws.sent]
+    assert replies == [{"request_id": "r", "error": BUS_TROUBLE, "status": 503}]
     await svc.tasks.close()

@@ -68,6 +68,12 @@ class InputPublisher:
     async def publish(self, call: RelayedCall, p: Prepared) -> None:
         """An append's or end_input's items, then its ends; the late-append reply if any."""
         await self.items(call.cid, p)
+        if p.ended and call.announced is not None and not call.announced.done():
+            # After the open: the conductor reads a call's ends of input after its open. Shielded:
+            # a caller cancelled (its client gone) does not cancel the open's store.
+            await asyncio.shield(call.announced)
+            if call.ended.is_set():  # the open was not stored: the call ended with its error
+                return
         await self.ends(call.cid, p)
         reply = late_reply(p)
         if reply is not None:

@@ -47,6 +47,7 @@ class RelayedCall:
     binary: bool = False  # opened in msgpack: every message of the call goes back in msgpack
     binary_fields: tuple[str, ...] = ()  # the model's (an output published in JSON is packed here)
     moves: int = 0  # how often the call moved to another frontend before it came here (0: opened here)
+    announced: asyncio.Task[None] | None = None  # a live call's open being stored (its ends of input wait for it)
 
     _output_prefix: bytes | None = None
 

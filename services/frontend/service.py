@@ -19,13 +19,14 @@ from typing import Any
 
 from models.registry import get_model, served_model
 from services.frontend import moves
-from services.frontend.calls import CallInput, InputState
+from services.frontend.calls import CallInput, InputState, Prepared
 from services.frontend.heartbeat import Beats
 from services.frontend.inputs import STORE_PATIENCE_S, InputPublisher
 from services.frontend.outputs import Outputs
 from services.frontend.probes import BusProbe, LoopLagProbe
 from services.frontend.protocol import Append, EndInput, Opening
 from services.frontend.relayed_call import RelayedCall, Sink
+from services.frontend.socket_session import told
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusSubscription
 from shared.bus.kv import Bucket
@@ -285,30 +286,52 @@ class FrontendService:
             call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self.outputs.on_out))
             call.subs.append(await self.bus.subscribe_direct(subjects.fin(cid), self.outputs.on_fin))
             await self.inputs.items(cid, prepared)
-            await self.bus.store_once(
-                subjects.open_(cid),
-                wire.encode(
-                    wire.Open(
-                        cid=cid,
-                        request_id=o.request_id or "",
-                        model=model_name,
-                        frontend_id=self.frontend_id,
-                        model_kwargs=o.input.model_kwargs,
-                        open_streams=sorted(inp.open_streams),
-                        published=dict(inp.published),
-                        live=live,
-                        request_id_revision=revision,
-                        frontend_beat=beat,
-                        binary=o.binary,
-                    )
-                ),
-                STORE_PATIENCE_S,
-            )
-            await self.inputs.ends(cid, prepared)
         except BaseException:
             await self._cleanup(call)
             raise
+        opened = wire.Open(
+            cid=cid,
+            request_id=o.request_id or "",
+            model=model_name,
+            frontend_id=self.frontend_id,
+            model_kwargs=o.input.model_kwargs,
+            open_streams=sorted(inp.open_streams),
+            published=dict(inp.published),
+            live=live,
+            request_id_revision=revision,
+            frontend_beat=beat,
+            binary=o.binary,
+        )
+        if not live:
+            try:
+                await self._announce(cid, opened, prepared)
+            except BaseException:
+                await self._cleanup(call)
+                raise
+            return call
+        # A live call's input flows from here on while its open is stored (a round trip that,
+        # in an open storm, waits behind hundreds of others): its appends are in the stream
+        # when a worker reads it at placement. Its ends of input wait for the open (inputs.py),
+        # so the conductor reads the open first; an abort may come first, and wins there.
+        call.announced = self.tasks.spawn(self._announce_aside(call, opened, prepared))
         return call
+
+    async def _announce(self, cid: str, opened: wire.Open, prepared: Prepared) -> None:
+        """Store the call's open, then its opening's ends of input."""
+        await self.bus.store_once(subjects.open_(cid), wire.encode(opened), STORE_PATIENCE_S)
+        await self.inputs.ends(cid, prepared)
+
+    async def _announce_aside(self, call: RelayedCall, opened: wire.Open, prepared: Prepared) -> None:
+        """`_announce` for a live call already held: where the open cannot be stored, the call
+        ends with the error its opening would have had (told to its client, as a refusal of
+        the conductor's is)."""
+        try:
+            await self._announce(call.cid, opened, prepared)
+        except DuplexError as e:
+            if call.cid in self.calls:
+                await self._end(call, "error", e.status, {"error": told(e), "status": e.status})
+            else:
+                log.info("call %s: its open was not stored (%s); it had ended meanwhile", call.cid, e)
 
     async def append(self, call: RelayedCall, a: Append) -> None:
         """An append; raises for a rejected append (the caller ends the call with its error)."""
