@@ -27,7 +27,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, InvalidKeyError, NoStreamResponseError
 
-from shared.bus.internals import subscribe_direct
+from shared.bus.internals import LazyInbox
 
 ACK_TIMEOUT_S = 5.0  # nats-py's JetStream publish waits as long
 NO_RESPONDERS = "503"
@@ -46,20 +46,9 @@ class Acks:
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
-        self._prefix = ""
+        self._inbox = LazyInbox(nc, self._on_ack)
         self._waiting: dict[str, asyncio.Future[Msg]] = {}
         self._next = 0
-        self._ready = asyncio.Lock()
-
-    async def _inbox(self) -> str:
-        if self._prefix:
-            return self._prefix
-        async with self._ready:
-            if not self._prefix:
-                prefix = self._nc.new_inbox()
-                await subscribe_direct(self._nc, f"{prefix}.*", self._on_ack)
-                self._prefix = prefix
-        return self._prefix
 
     def _on_ack(self, msg: Msg) -> None:
         fut = self._waiting.pop(msg.subject.rpartition(".")[2], None)
@@ -69,7 +58,7 @@ class Acks:
     async def request(self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None) -> Msg:
         """A request and its one reply, as nats-py's `request` gives it (NoRespondersError
         where nobody is subscribed, its TimeoutError where no reply comes in time)."""
-        prefix = await self._inbox()
+        prefix = await self._inbox.prefix()
         self._next += 1
         token = str(self._next)
         loop = asyncio.get_running_loop()

@@ -658,7 +658,7 @@ class BusConnection:
         while True:
             request = json.dumps({"subjects_filter": subject_filter, "offset": len(found)}).encode()
             with mapped(f"listing {subject_filter}", self._denials):
-                reply = await self._nc.request(f"$JS.API.STREAM.INFO.{subjects.STREAM}", request, timeout=30.0)
+                reply = await self._nc.request(subjects.js_api_stream_info(subjects.STREAM), request, timeout=30.0)
             info = json.loads(reply.data)
             if "error" in info:
                 raise BusRefused(f"listing {subject_filter}", str(info["error"].get("description", info["error"])))

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from shared.bus.internals import subscribe_direct
+from shared.bus import subjects
+from shared.bus.internals import LazyInbox
 from shared.runtime.errors import BusRefused, BusTimeout, BusUnavailable
 
 PAGE_TIMEOUT_S = 5.0  # JetStream's own request wait
@@ -73,21 +74,10 @@ class DirectReads:
 
     def __init__(self, nc: Client, stream: str) -> None:
         self._nc = nc
-        self._api = f"$JS.API.DIRECT.GET.{stream}"
-        self._prefix = ""
+        self._api = subjects.js_api_direct_get(stream)
+        self._inbox = LazyInbox(nc, self._on_msg)
         self._pages: dict[str, _Page] = {}
         self._next = 0
-        self._ready = asyncio.Lock()
-
-    async def _inbox(self) -> str:
-        if self._prefix:
-            return self._prefix
-        async with self._ready:
-            if not self._prefix:
-                prefix = self._nc.new_inbox()
-                await subscribe_direct(self._nc, f"{prefix}.*", self._on_msg)
-                self._prefix = prefix
-        return self._prefix
 
     def _on_msg(self, msg: Msg) -> None:
         page = self._pages.get(msg.subject.rpartition(".")[2])
@@ -103,7 +93,7 @@ class DirectReads:
     async def _ask(self, subject_filter: str, start: int, batch: int) -> _Page:
         """Ask for a page (its answer is awaited with `_answer`: a read asks for the first
         pages of all its filters before it awaits any)."""
-        prefix = await self._inbox()
+        prefix = await self._inbox.prefix()
         self._next += 1
         loop = asyncio.get_running_loop()
         page = _Page(subject_filter, str(self._next), loop.create_future())

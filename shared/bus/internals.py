@@ -135,3 +135,25 @@ async def subscribe_direct(nc: Client, subject: str, handler: Callable[[Msg], No
     while not queue.empty():  # anything that came in while subscribing
         sub._pending_queue.put_nowait(queue.get_nowait())
     return sub
+
+
+class LazyInbox:
+    """One wildcard inbox subscription, made on first use, whose messages reach `handler` from
+    the read loop (`subscribe_direct`). Replies are addressed to `{prefix}.{token}`, and the
+    handler routes each by the reply subject's last token: one subscription serves every
+    request in flight, where nats-py's own request path makes a future and a lookup each."""
+
+    def __init__(self, nc: Client, handler: Callable[[Msg], None]) -> None:
+        self._nc, self._handler = nc, handler
+        self._prefix = ""
+        self._ready = asyncio.Lock()
+
+    async def prefix(self) -> str:
+        if self._prefix:
+            return self._prefix
+        async with self._ready:
+            if not self._prefix:
+                prefix = self._nc.new_inbox()
+                await subscribe_direct(self._nc, f"{prefix}.*", self._handler)
+                self._prefix = prefix
+        return self._prefix

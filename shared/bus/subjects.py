@@ -19,6 +19,17 @@ OBJ_PAYLOADS = "duplex_payloads"  # bodies over the server's max_payload
 
 CONDUCTOR_DURABLE = "conductor"
 
+
+def js_api_stream_info(stream: str) -> str:
+    """JetStream's API subject for a stream's info (with a subjects_filter: the subjects it holds)."""
+    return f"$JS.API.STREAM.INFO.{stream}"
+
+
+def js_api_direct_get(stream: str) -> str:
+    """JetStream's API subject for direct gets of a stream's messages (allow_direct)."""
+    return f"$JS.API.DIRECT.GET.{stream}"
+
+
 # Kinds of call subjects.
 OPEN = "open"
 IN = "in"
