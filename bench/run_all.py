@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHES = [
     ["-m", "bench.live_load", "--calls", "1,50,200", "--seconds", "10"],
     ["-m", "bench.live_load", "--calls", "100,200,300,400", "--seconds", "10"],
+    ["-m", "bench.ordinary_load", "--calls", "200,300", "--seconds", "10"],
     ["-m", "bench.conductor_load", "--appends", "10,100,1000"],
     ["-m", "bench.jetstream_cost", "--calls", "10000"],
     ["bench/batching.py"],
