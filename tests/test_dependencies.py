@@ -47,6 +47,7 @@ OWN_METHODS: dict[type, set[str]] = {
         "has_room",
         "_send_frame",
         "_sent",
+        "_may_idle",
         "_flush",
         "_give_up",
         "_report",

@@ -39,7 +39,7 @@ class Load:
     headers_since: float | None = None  # an HTTP request's headers unfinished since
     message_since: float | None = None  # a WebSocket message or request body unfinished since
     stalled_since: float | None = None  # output waiting and none of it taken since
-    idle_since: float | None = None  # a WebSocket with no call and no message since
+    idle_since: float | None = None  # a WebSocket with no call and no message (none under way) since
 
     @property
     def held(self) -> int:

@@ -333,8 +333,14 @@ class FrontendWebSocketProtocol(WebSocketsSansIOProtocol):
             output=self._out_bytes + waiting,
             message_since=None if self.read_paused else self._message_since,  # not read: not the client's delay
             stalled_since=self._progress_at if waiting else None,
-            idle_since=self._active_at if self.busy is not None and self.handshake_complete else None,
+            # A message under way is judged by message_timeout_s alone: with both timeouts alike,
+            # whichever the check met first closed it, as idle (1000) or as unfinished (1008).
+            idle_since=self._active_at if self._may_idle() else None,
         )
+
+    def _may_idle(self) -> bool:
+        """Whether the socket counts as idle: an app socket past its handshake, with no message under way."""
+        return self.busy is not None and self.handshake_complete and self._message_since is None
 
     def shed(self, why: Shed) -> None:
         """End the connection for the limit `why` names (`limits.Limits.verdict`)."""
