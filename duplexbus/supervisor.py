@@ -11,6 +11,7 @@ children (PDEATHSIG).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -207,16 +208,26 @@ def _never() -> bool:
     return False
 
 
-def wait_http(url: str, timeout: float, children: list[Child], stopping: Callable[[], bool] = _never) -> bool:
+def wait_http(url: str, timeout: float, children: list[Child], stopping: Callable[[], bool] = _never, frontends: int = 1) -> bool:
+    """Until `frontends` distinct frontends have answered `url` (their /healthz) 200.
+
+    Several frontends listen on the one port, each on a socket of its own, and the kernel
+    hands each new connection to one of them: one ready answer says nothing of the others,
+    and a client the kernel gives a frontend still starting is refused (503, or 1013 on a
+    WebSocket). So the probe goes on, on fresh connections, until every frontend has said
+    ready once; a frontend once ready stays so until it stops."""
     deadline = time.monotonic() + timeout
+    ready: set[str] = set()
     while time.monotonic() < deadline and not stopping():
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:
-                    return True
+                    ready.add(str(json.loads(r.read()).get("frontend_id")))
+        if len(ready) >= frontends:
+            return True
         if any(c.proc is not None and c.proc.poll() is not None for c in children if c.name.startswith("frontend")):
             return False
-        time.sleep(0.1)
+        time.sleep(0.05 if ready else 0.1)  # one answered: the others are likely up, or nearly
     return False
 
 
@@ -476,7 +487,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
         url = f"http://{opts.host}:{opts.port}"
         workers = opts.workers if opts.colocate else len(partitions) * opts.workers
         try:
-            ready = wait_http(f"{url}/healthz", opts.ready_timeout, children, lambda: stop) and wait_workers(
+            ready = wait_http(f"{url}/healthz", opts.ready_timeout, children, lambda: stop, opts.frontends) and wait_workers(
                 cfg, workers, opts.ready_timeout, children, lambda: stop
             )
         except BusError as e:  # refused for good (credentials, permissions): waiting longer mends nothing

@@ -3,12 +3,16 @@ once, and what it says at the terminal (one real `up`, the rest without a runnin
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,6 +90,56 @@ def test_the_readiness_waits_end_at_once_on_a_stop() -> None:
     assert not wait_http("http://127.0.0.1:1/healthz", 30.0, [], lambda: True)
     assert not wait_workers(ServingConfig(nats_url="nats://127.0.0.1:1"), 1, 30.0, [], lambda: True)
     assert time.monotonic() - start < 1.0
+
+
+class Frontends(http.server.BaseHTTPRequestHandler):
+    """One port, two frontends behind it as the kernel spreads connections: every third
+    answer is frontend b's, which is still starting for its first `b_starting` answers."""
+
+    answers = 0
+    b_starting = 3
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        cls.answers += 1
+        b = cls.answers % 3 == 0
+        ready = not b or cls.answers > 3 * cls.b_starting
+        body = json.dumps({"ready": ready, "frontend_id": "b" if b else "a"}).encode()
+        self.send_response(200 if ready else 503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def frontends() -> Iterator[tuple[str, type[Frontends]]]:
+    handler = type("Frontends", (Frontends,), {"answers": 0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/healthz", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_up_is_ready_once_every_frontend_has_answered_ready(frontends: tuple[str, type[Frontends]]) -> None:
+    """With `--frontends 2` one ready answer is not enough: a call the kernel handed the
+    other frontend while it was starting was refused with 1013 (a CI run of the suite)."""
+    url, handler = frontends
+    assert wait_http(url, 10.0, [], frontends=1)
+    assert handler.answers == 1  # one frontend: its first ready answer
+    assert wait_http(url, 10.0, [], frontends=2)
+    assert handler.answers > 3 * handler.b_starting  # not before b said ready
+    handler.b_starting = 10**6
+    handler.answers = 0
+    start = time.monotonic()
+    assert not wait_http(url, 1.0, [], frontends=2)  # b never ready: not ready, at the timeout
+    assert time.monotonic() - start >= 1.0
 
 
 def test_up_refuses_a_taken_monitoring_port_at_once_and_starts_nothing(
