@@ -26,12 +26,23 @@ trap 'rm -rf "$logs"' EXIT
 status=0
 failed() { [ "$status" -ne 0 ] || status=$1; }
 pytest() { "$PY" -m pytest -q -rs --durations=15 "$@"; }
+# How long a step took and how busy it kept the machine's cores (from /proc/stat: busy jiffies
+# over all jiffies, every core counted), so a run's log shows where time and cores go.
+cpu() { awk '/^cpu /{print $2+$3+$4+$7+$8, $2+$3+$4+$5+$6+$7+$8}' /proc/stat 2>/dev/null || echo "0 0"; }
+mark() { start=$SECONDS; read -r busy0 all0 < <(cpu); }
+took() {
+  local busy all
+  read -r busy all < <(cpu)
+  echo "== $1: $((SECONDS - start)) s, the cores $(( all > all0 ? 100 * (busy - busy0) / (all - all0) : 0 )) % busy"
+}
 
 echo "== the modules that are not heavy (two xdist workers), beside the container tests (printed when they end)"
+mark
 pytest -m heavy_docker "$@" >"$logs/docker" 2>&1 &
 docker=$!
 pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy" "$@" || failed $?
 wait "$docker" || failed $?
+took "step 1"
 echo "== the container tests"
 cat "$logs/docker"
 
@@ -41,16 +52,22 @@ echo "== the heavy modules, two lanes: bounded by real time, then the lint (prin
   pytest -m heavy_timed "$@" || lane=$?
   if [ "${LINT:-1}" != 0 ]; then
     echo "== lint and typecheck"
+    mark
     if ! make --no-print-directory lint typecheck; then [ "$lane" -ne 0 ] || lane=2; fi
+    took "the lint"
   fi
   exit "$lane"
 ) >"$logs/timed" 2>&1 &
 timed=$!
+mark
 pytest -m "heavy and not heavy_timed and not heavy_alone and not heavy_docker" "$@" || failed $?
 wait "$timed" || failed $?
+took "step 2"
 echo "== the heavy modules bounded by real time"
 cat "$logs/timed"
 
 echo "== the heavy modules that need the machine to themselves (tests/conftest.py HEAVY_ALONE)"
+mark
 pytest -m heavy_alone "$@" || failed $?
+took "step 3"
 exit "$status"
