@@ -5,12 +5,11 @@ live call goes on and ends with every frame."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 from shared.bus.embedded import NatsServer
 from tests.support.bus import own_nats_server
 from tests.support.calls import EchoCall, stream_for
+from tests.support.freeze import frozen
 from tests.support.stack import Stack, running_stack
 
 LIVENESS_S = 3.0
@@ -33,11 +32,8 @@ async def test_a_frozen_conductor_aborts_no_live_call(nats_url: str) -> None:
     async with running_stack(nats_url, CONFIG, workers=[["Encoder"], ["Talker"]]) as stack:
         calls = await _open_calls(stack, "frozen", frames=150)
         conductor = stack.procs["conductor"].p.pid
-        os.kill(conductor, signal.SIGSTOP)
-        try:
+        with frozen(conductor):
             await stream_for(calls, 2 * LIVENESS_S)  # data never passes through the conductor
-        finally:
-            os.kill(conductor, signal.SIGCONT)
         await stream_for(calls, 2.0)
         await asyncio.gather(*(c.finish(logs=stack.logs()) for c in calls))
         assert stack.procs["conductor"].alive()

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 
 from shared.bus import subjects, wire
 from tests.support.bus import connected
 from tests.support.calls import EchoCall
 from tests.support.client import WS
+from tests.support.freeze import frozen
 from tests.support.poll import until
 from tests.support.stack import Stack, running_stack
 
@@ -67,8 +66,7 @@ async def test_calls_let_go_while_the_conductor_could_not_read_end_and_free_thei
     async with running_stack(nats_url, CONFIG) as stack:
         ws = await WS.connect(stack.ws_url())
         conductor = stack.procs["conductor"].p.pid
-        os.kill(conductor, signal.SIGSTOP)
-        try:
+        with frozen(conductor):
             await asyncio.sleep(PULL_EXPIRES_S)
             for i in range(LIMIT):
                 await ws.send({"request_id": f"ghost-{i}"})
@@ -77,8 +75,6 @@ async def test_calls_let_go_while_the_conductor_could_not_read_end_and_free_thei
             for i in range(LIMIT):
                 assert (await ws.final(f"ghost-{i}")).get("status") == 499
             await drop_aborts(stack)
-        finally:
-            os.kill(conductor, signal.SIGCONT)
         thawed = time.monotonic()
         assert await frontends_hold(stack) == 0
 
