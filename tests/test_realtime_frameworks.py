@@ -18,7 +18,18 @@ import numpy as np
 import pytest
 
 from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import MANUAL_16K, RT, agents_realtime, audio_of, check_event, check_responses, tone, url, wait_calls
+from tests.support.realtime import (
+    MANUAL_16K,
+    RT,
+    agent_turns,
+    agents_realtime,
+    audio_of,
+    check_event,
+    check_responses,
+    tone,
+    url,
+    wait_calls,
+)
 from tests.support.stack import Stack, running_stack
 
 RATE = 24_000  # both frameworks' default
@@ -45,39 +56,9 @@ async def test_openai_agents_realtime_runner_holds_two_spoken_turns(stack: Stack
     runner = RealtimeRunner(RealtimeAgent(name="echo", instructions="Say it back."))
     config = {"url": url(stack), "api_key": "unused"}
     session = await runner.run(model_config=config)
-    events: list[Any] = []
-    server: list[dict[str, Any]] = []
-    ends = 0
     async with session:
-
-        async def speak() -> None:
-            for k, lead in enumerate((0.2, 0.0)):
-                pcm = turn(lead)
-                for i in range(0, len(pcm), RATE // 10):  # 100 ms appends, faster than real time
-                    await session.send_audio(pcm[i : i + RATE // 10].tobytes())
-                    await asyncio.sleep(0.01)
-                while ends <= k:
-                    await asyncio.sleep(0.02)
-
-        speaker = asyncio.create_task(speak())
-
-        async def listen() -> None:
-            nonlocal ends
-            async for e in session:
-                events.append(e)
-                if e.type == "raw_model_event" and e.data.type == "raw_server_event":
-                    check_event(e.data.data)
-                    server.append(e.data.data)
-                if e.type == "agent_end":
-                    ends += 1
-                    if ends == 2:
-                        return
-
-        try:
-            await asyncio.wait_for(listen(), 20)
-            await asyncio.wait_for(speaker, 5)
-        finally:
-            speaker.cancel()
+        run = await agent_turns(session, [turn(0.2), turn(0.0)], RATE // 10, 20)  # 100 ms appends
+    events, server = run.events, run.server
     errors = [e for e in events if e.type == "error"]
     assert errors == [], errors
     kinds = [e["type"] for e in server]

