@@ -42,7 +42,6 @@ import numpy as np
 
 from services.frontend.calls import CallInput, InputState
 from services.worker import engine as eng
-from services.worker.service import TICK_S
 from shared.runtime.errors import BadRequest, ConfigError, DuplexError
 from shared.sdk.audio import encode_wav
 from shared.sdk.chunking import Item
@@ -136,7 +135,7 @@ class Rig:
     def __init__(self, model: Model, opts: Options) -> None:
         topo = model.topology
         self.parts = {p: Counted(model.create_partition(p)) for p in topo.partitions}
-        self.engines = {p: eng.Engine(p, topo, part, opts.max_batch, tick_s=TICK_S) for p, part in self.parts.items()}
+        self.engines = {p: eng.Engine(p, topo, part, opts.max_batch, tick_s=eng.TICK_S) for p, part in self.parts.items()}
         self.consumer = {c.edge_name: c.to_partition for c in topo.connections}
         self.record = Record()
         self.live: set[str] = set()

@@ -34,6 +34,8 @@ class EngineCallState(enum.Enum):
     FAILED = "failed"
 
 
+TICK_S = 0.02  # how often a worker steps a partition that wants steps without input (paced audio)
+
 _TRANSITIONS = {
     EngineCallState.RUNNING: {EngineCallState.DRAINING, EngineCallState.FINISHED, EngineCallState.FAILED},
     EngineCallState.DRAINING: {EngineCallState.FINISHED, EngineCallState.FAILED},

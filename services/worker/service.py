@@ -35,9 +35,6 @@ from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.02  # how often a partition that wants steps without input (paced audio) is stepped
-
-
 class WorkerService:
     def __init__(
         self,
@@ -64,7 +61,7 @@ class WorkerService:
         for p in self.partitions:
             part = self.model.create_partition(p)
             self.runners[p] = Runner(
-                eng.Engine(p, topo, part, max_batch=config.max_batch, tick_s=TICK_S),
+                eng.Engine(p, topo, part, max_batch=config.max_batch, tick_s=eng.TICK_S),
                 blocking=getattr(part, "blocking", True),
             )
         self._bus: BusConnection | None = None
