@@ -35,6 +35,7 @@ from shared.runtime.version import VERSION
 
 log = logging.getLogger(__name__)
 
+
 class WorkerService:
     def __init__(
         self,
