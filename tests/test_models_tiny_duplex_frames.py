@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
-pytest.importorskip("torch")
 
 from models.tiny_duplex import FRAME, TinyDuplexModel, TinyDuplexPartition, frame_to_float
 from shared.sdk.chunking import Chunk, Item
 from shared.sdk.model import CallInfo, Output, StepInput
+from tests.support.needs import installed
+
+installed("torch")
 
 SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab": 64, "window": 8, "max_calls": 6, "device": "cpu"}
 

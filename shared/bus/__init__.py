@@ -27,6 +27,7 @@ def defer_aiohttp() -> None:
         return
     stand_in = types.ModuleType("aiohttp", "aiohttp, imported on first use (shared.bus.defer_aiohttp)")
     stand_in.__spec__ = spec  # read by every `import aiohttp` and by find_spec: neither loads it
+    stand_in.__file__ = spec.origin  # read by tools that walk sys.modules (Hypothesis, at collection)
 
     def load(attr: str) -> Any:
         if sys.modules.get("aiohttp") is stand_in:

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import websockets
@@ -18,6 +18,9 @@ from pydantic import TypeAdapter
 
 from tests.support.client import WS
 from tests.support.stack import Stack
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 # Our extensions (vllm-omni's names): not in the SDK's union, checked for their envelope.
 EXTENSIONS = {"playback.acknowledged", "session.closed", "session.heartbeat", "session.resumed"}
@@ -92,6 +95,14 @@ def tone(seconds: float, rate: int, hz: float = 440.0, amp: float = 8000.0) -> n
 
 def url(stack: Stack, model: str = "echo") -> str:
     return f"ws://127.0.0.1:{stack.ports[0]}/v1/realtime?model={model}"
+
+
+def sdk_client(port: int, api_key: str = "unused") -> AsyncOpenAI:
+    """The official SDK's client for the stack's frontend on `port` (imported here: `openai`'s
+    import takes 1.2 s, in every pytest process that collects a module naming it at its top)."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(api_key=api_key, websocket_base_url=f"ws://127.0.0.1:{port}/v1")
 
 
 class RT(WS):
