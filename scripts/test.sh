@@ -6,8 +6,7 @@
 #      container tests (HEAVY_DOCKER), which mostly wait on the Docker engine;
 #   2. the heavy modules in two lanes side by side, one module at a time in each: the CPU-bound
 #      ones (tests/conftest.py HEAVY_CPU), and the ones bounded by real time (HEAVY_TIMED),
-#      then ruff and mypy, on the core that lane leaves idle, then the CPU-bound ones with no
-#      bound of real time (HEAVY_LATE), beside the CPU lane's last modules, which have none either;
+#      then ruff and mypy, on the core that lane leaves idle;
 #   3. the heavy modules that need the machine to themselves (HEAVY_ALONE: the browser's real-time
 #      conversation), alone.
 # A lane beside another is printed whole when it ends (two lanes interleaved line by line could
@@ -47,7 +46,7 @@ took "step 1"
 echo "== the container tests"
 cat "$logs/docker"
 
-echo "== the heavy modules, two lanes: bounded by real time, then the lint and HEAVY_LATE (printed when it ends); CPU-bound"
+echo "== the heavy modules, two lanes: bounded by real time, then the lint (printed when it ends); CPU-bound"
 (
   lane=0
   pytest -m heavy_timed "$@" || lane=$?
@@ -57,16 +56,14 @@ echo "== the heavy modules, two lanes: bounded by real time, then the lint and H
     if ! make --no-print-directory lint typecheck; then [ "$lane" -ne 0 ] || lane=2; fi
     took "the lint"
   fi
-  echo "== the CPU-bound heavy modules with no bound of real time (tests/conftest.py HEAVY_LATE)"
-  pytest -m heavy_late "$@" || { rc=$?; [ "$lane" -ne 0 ] || lane=$rc; }
   exit "$lane"
 ) >"$logs/timed" 2>&1 &
 timed=$!
 mark
-pytest -m "heavy and not heavy_timed and not heavy_late and not heavy_alone and not heavy_docker" "$@" || failed $?
+pytest -m "heavy and not heavy_timed and not heavy_alone and not heavy_docker" "$@" || failed $?
 wait "$timed" || failed $?
 took "step 2"
-echo "== the heavy modules bounded by real time, the lint, HEAVY_LATE"
+echo "== the heavy modules bounded by real time"
 cat "$logs/timed"
 
 echo "== the heavy modules that need the machine to themselves (tests/conftest.py HEAVY_ALONE)"

@@ -57,15 +57,16 @@ async def ws(stack: Stack) -> AsyncIterator[WS]:
 # HEAVY_TIMED, the ones bounded by real time that take a fraction of one (measured with
 # /usr/bin/time, user+sys over wall: 0.3 to 0.65, docs/testing.md). So no two CPU-bound modules
 # ever run together, and a time-bound one always has a core's room beside the other lane.
-# HEAVY_CPU in the order the CPU lane runs them: the ones with bounds of real time (reply
-# latencies, a step's time, heartbeats under a load of uploads) first; the ones with none last,
-# beside HEAVY_LATE.
-CPU_LANE_ORDER = ("test_voice_e2e", "test_voice_assistant", "test_realtime_voice", "test_fast_clients", "test_frontend_fuzz")
-HEAVY_CPU = frozenset(CPU_LANE_ORDER)
-# CPU-bound, with no bound of real time (a WER, generous timeouts): run at the end of the timed
-# lane, after the lint, so that the two lanes end about together (the CPU lane was 120 s longer).
-# Beside it the CPU lane runs its last modules, which have no such bound either.
-HEAVY_LATE = frozenset({"test_eval_voice"})
+HEAVY_CPU = frozenset(
+    {
+        "test_eval_voice",
+        "test_fast_clients",
+        "test_frontend_fuzz",
+        "test_realtime_voice",
+        "test_voice_assistant",
+        "test_voice_e2e",
+    }
+)
 HEAVY_TIMED = frozenset(
     {
         "test_cluster",
@@ -87,7 +88,7 @@ HEAVY_ALONE = frozenset({"test_browser"})
 # machine). They run beside the first step, in a lane of their own (marked heavy_docker), which
 # takes their 100 s off the timed lane.
 HEAVY_DOCKER = frozenset({"test_compose", "test_container_cleanup", "test_container_nats"})
-HEAVY = HEAVY_CPU | HEAVY_LATE | HEAVY_TIMED | HEAVY_ALONE | HEAVY_DOCKER
+HEAVY = HEAVY_CPU | HEAVY_TIMED | HEAVY_ALONE | HEAVY_DOCKER
 
 # The first step's slowest modules (wall seconds in one run, set-up included), handed out
 # first: xdist gives out modules in order (--no-loadscope-reorder), and one that starts last
@@ -124,15 +125,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.heavy_alone)
         if item.path.stem in HEAVY_DOCKER:
             item.add_marker(pytest.mark.heavy_docker)
-        if item.path.stem in HEAVY_LATE:
-            item.add_marker(pytest.mark.heavy_late)
-    items.sort(key=_order)  # stable: a module's own order kept
-
-
-def _order(item: pytest.Item) -> tuple[int, float]:
-    stem = item.path.stem
-    lane = CPU_LANE_ORDER.index(stem) if stem in CPU_LANE_ORDER else len(CPU_LANE_ORDER)
-    return lane, -SLOW_FIRST.get(stem, 0)
+    items.sort(key=lambda item: -SLOW_FIRST.get(item.path.stem, 0))  # stable: a module's order kept
 
 
 @pytest.fixture(autouse=True)
@@ -143,8 +136,8 @@ def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: py
 
 # The runs of `make test` (scripts/test.sh): the rest beside the container tests, then the two
 # heavy lanes, then the browser alone.
-CPU_LANE = "heavy and not heavy_timed and not heavy_late and not heavy_alone and not heavy_docker"
-SPLIT = frozenset({"not heavy", CPU_LANE, "heavy_timed", "heavy_late", "heavy_alone", "heavy_docker"})
+CPU_LANE = "heavy and not heavy_timed and not heavy_alone and not heavy_docker"
+SPLIT = frozenset({"not heavy", CPU_LANE, "heavy_timed", "heavy_alone", "heavy_docker"})
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
