@@ -36,6 +36,7 @@ from tests.support.bus import bucket_keys, call_records
 from tests.support.client import WS
 from tests.support.containers import COMPOSE_BIN as COMPOSE
 from tests.support.containers import Project, clean_env, compose_project, docker, prepare
+from tests.support.realtime import drop_and_resume, moves_listed
 
 IMAGE_SERVICES = {"conductor", "frontend", "worker", "worker-gpu"}
 
@@ -286,6 +287,29 @@ async def test_worker_container_killed_mid_call_the_call_finishes(stack: Project
     await asyncio.to_thread(docker, "kill", "--signal", "KILL", victim)  # a crash: no drain, no goodbye
     await send_frames(ws, "survivor", samples, 30, 60)
     await finish_with_every_frame(ws, "survivor", samples, stack.logs)
+
+
+async def test_realtime_sessions_dropped_resume_through_the_gateway(stack: Project, nats_of_stack: str) -> None:
+    """After the scale-out, two frontends behind the gateway (least connections): twelve
+    realtime sessions, each dropped and resumed through the gateway's one port, all resume,
+    and some did so on the frontend they were not opened on."""
+    frontends = await wait_for("two frontends heartbeating", lambda: _two(kv_values(nats_of_stack, subjects.KV_FRONTENDS)))
+    assert len(frontends) == 2, (frontends, stack.logs())
+    sessions = await drop_and_resume(f"ws://127.0.0.1:{stack.env['DUPLEXBUS_PORT']}/v1/realtime?model=echo", RESUMES)
+    try:
+        moves = await moves_listed(nats_of_stack, [t for t, _ in sessions], heartbeat_s=1.0, timeout=30)
+        assert any(moves.values()), moves
+    finally:
+        for _, rt in sessions:
+            await rt.close()
+
+
+RESUMES = 12
+
+
+async def _two(listing: Any) -> set[str]:
+    keys = set(await listing)
+    return keys if len(keys) == 2 else set()
 
 
 def test_down_leaves_nothing(stack: Project) -> None:

@@ -16,14 +16,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import websockets
 
 from services.frontend.realtime.session import event_number, token_cid
 from shared.bus import subjects, wire
 from shared.sdk.audio import b64_pcm16
 from tests.support.bus import bucket_keys, connected
 from tests.support.poll import until
-from tests.support.realtime import MANUAL_16K, RT, audio_of, check_responses, tone
+from tests.support.realtime import MANUAL_16K, RT, audio_of, check_responses, drop_and_resume, moves_listed, tone
 from tests.support.stack import Stack, UpStack, running_stack
 
 GRACE_S = 1.0
@@ -38,9 +37,7 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
 
 
 async def rt_at(port: int) -> RT:
-    sock = RT(await websockets.connect(f"ws://127.0.0.1:{port}/v1/realtime?model=echo", max_size=None, ping_interval=None))
-    sock.seen = []
-    return sock
+    return await RT.at(f"ws://127.0.0.1:{port}/v1/realtime?model=echo")
 
 
 def held(port: int) -> int:
@@ -169,33 +166,9 @@ async def test_twelve_resumes_of_twelve_succeed_across_the_frontends_of_up(up: U
     """`duplexbus up --frontends 2`: both frontends on one port, the kernel spreads the
     sockets over them, so about half the reconnects reach the frontend the session was not
     on (7 of 12 resumes failed with invalid_resume_token when only that one could resume it)."""
-    sessions: list[tuple[str, RT]] = []
-    for _ in range(RESUMES):
-        rt = await rt_at(up.port)
-        token = (await rt.next("session.created"))["session"]["resume_token"]
-        await rt.send({"type": "session.heartbeat"})
-        last = (await rt.next("session.heartbeat"))["event_id"]
-        rt.ws.transport.abort()
-        again = await rt_at(up.port)
-        await again.send({"type": "session.resume", "resume_token": token, "last_event_id": last})
-        await again.send({"type": "session.heartbeat"})
-        beat = await again.next("session.heartbeat")
-        errors = [e for e in again.seen if e["type"] == "error"]
-        assert errors == [], errors
-        assert beat["event_id"].rsplit("_", 1)[0] == last.rsplit("_", 1)[0]  # the resumed session's own
-        assert event_number(beat["event_id"]) == (event_number(last) or 0) + 1
-        sessions.append((token, again))
+    sessions = await drop_and_resume(f"ws://127.0.0.1:{up.port}/v1/realtime?model=echo", RESUMES)
     # Every session is held once, and some moved (a frontend lists it as adopted).
-    cids = {token_cid(t) for t, _ in sessions}
-
-    async def listed() -> dict[str, int]:
-        beats = await listings(up.nats_url)
-        return {c: hb.adopted.get(c, 0) for hb in beats.values() for c in hb.calls or [] if c in cids}
-
-    deadline = time.monotonic() + 10
-    while len(got := await listed()) < RESUMES:
-        assert time.monotonic() < deadline, got
-        await asyncio.sleep(HEARTBEAT_S / 2)
-    assert any(got.values()), got
+    moves = await moves_listed(up.nats_url, [t for t, _ in sessions], HEARTBEAT_S)
+    assert any(moves.values()), moves
     for _, rt in sessions:
         await rt.close()

@@ -112,7 +112,12 @@ class RT(WS):
 
     @classmethod
     async def open(cls, stack: Stack) -> RT:
-        sock = cls(await websockets.connect(url(stack), max_size=None))
+        return await cls.at(url(stack))
+
+    @classmethod
+    async def at(cls, address: str) -> RT:
+        """A socket to a /v1/realtime URL (a frontend's, or a gateway's before several)."""
+        sock = cls(await websockets.connect(address, max_size=None, ping_interval=None))
         sock.seen = []
         return sock
 
@@ -262,3 +267,49 @@ async def agent_turns(session: Any, turns: list[np.ndarray], step: int, timeout:
     finally:
         speaker.cancel()
     return run
+
+
+async def drop_and_resume(address: str, sessions: int) -> list[tuple[str, RT]]:
+    """`sessions` realtime sessions at `address`, one after another, each dropped (its socket
+    aborted, as a lost network does) right after a heartbeat and resumed on a new connection
+    to the same address, which may reach another frontend. Each must resume with no error event
+    and go on numbering its own events. Returns each session's token and resumed socket, open."""
+    from services.frontend.realtime.session import event_number
+
+    resumed: list[tuple[str, RT]] = []
+    for _ in range(sessions):
+        rt = await RT.at(address)
+        token = (await rt.next("session.created"))["session"]["resume_token"]
+        await rt.send({"type": "session.heartbeat"})
+        last = (await rt.next("session.heartbeat"))["event_id"]
+        rt.ws.transport.abort()
+        again = await RT.at(address)
+        await again.send({"type": "session.resume", "resume_token": token, "last_event_id": last})
+        await again.send({"type": "session.heartbeat"})
+        beat = await again.next("session.heartbeat")
+        errors = [e for e in again.seen if e["type"] == "error"]
+        assert errors == [], errors
+        assert beat["event_id"].rsplit("_", 1)[0] == last.rsplit("_", 1)[0]  # the resumed session's own
+        assert event_number(beat["event_id"]) == (event_number(last) or 0) + 1
+        resumed.append((token, again))
+    return resumed
+
+
+async def moves_listed(nats_url: str, tokens: list[str], heartbeat_s: float, timeout: float = 10.0) -> dict[str, int]:
+    """Once every session the tokens name is listed in a frontend's heartbeat (each once): each
+    session's call and its number of moves (0: it stayed on the frontend that opened it)."""
+    from services.frontend.realtime.session import token_cid
+    from shared.bus import subjects, wire
+    from tests.support.bus import bucket_keys, connected
+
+    cids = {token_cid(t) for t in tokens}
+    deadline = time.monotonic() + timeout
+    while True:
+        async with connected(nats_url) as nc:
+            kv = await nc.jetstream().key_value(subjects.KV_FRONTENDS)
+            beats = [wire.decode_as((await kv.get(k)).value or b"", wire.FrontendHeartbeat) for k in await bucket_keys(kv)]
+        listed = [(c, hb.adopted.get(c, 0)) for hb in beats for c in hb.calls or [] if c in cids]
+        if len(listed) == len(cids) and {c for c, _ in listed} == cids:  # each once (a move's old listing gone)
+            return dict(listed)
+        assert time.monotonic() < deadline, listed
+        await asyncio.sleep(heartbeat_s / 2)
