@@ -58,12 +58,11 @@ async def ws(stack: Stack) -> AsyncIterator[WS]:
 # /usr/bin/time, user+sys over wall: 0.3 to 0.65, docs/testing.md). So no two CPU-bound modules
 # ever run together, and a time-bound one always has a core's room beside the other lane.
 # A CPU-bound module with no bound of real time (test_eval_voice's WER, test_frontend_fuzz's
-# status codes) runs in the first step, as any other: in this lane it made the lane 80 s
-# longer than the timed one beside it.
+# status codes, test_realtime_voice's replies within a minute) runs in the first step, as any
+# other: in this lane they made the lane 80 s longer than the timed one beside it.
 HEAVY_CPU = frozenset(
     {
         "test_fast_clients",
-        "test_realtime_voice",
         "test_voice_assistant",
         "test_voice_e2e",
     }
@@ -98,6 +97,7 @@ SLOW_FIRST = {
     "test_up_lifecycle": 135,
     "test_eval_voice": 55,
     "test_frontend_fuzz": 45,
+    "test_realtime_voice": 45,
     "test_eval_e2e": 69,
     "test_replay": 62,
     "test_faults": 46,
