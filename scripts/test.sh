@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: every test, in the least time two cores allow without one test stretching
 # another's time bounds (docs/testing.md, "How `make test` runs the suite").
-#   1. the modules that are not heavy, over three xdist workers, a module to a worker (its stack
+#   1. the modules that are not heavy, over two xdist workers, a module to a worker (its stack
 #      booted once), the slowest handed out first (tests/conftest.py SLOW_FIRST); beside them the
 #      container tests (HEAVY_DOCKER), which mostly wait on the Docker engine;
 #   2. the heavy modules in two lanes side by side, one module at a time in each: the CPU-bound
@@ -36,11 +36,11 @@ took() {
   echo "== $1: $((SECONDS - start)) s, the cores $(( all > all0 ? 100 * (busy - busy0) / (all - all0) : 0 )) % busy"
 }
 
-echo "== the modules that are not heavy (three xdist workers), beside the container tests (printed when they end)"
+echo "== the modules that are not heavy (two xdist workers), beside the container tests (printed when they end)"
 mark
 pytest -m heavy_docker "$@" >"$logs/docker" 2>&1 &
 docker=$!
-pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not heavy" "$@" || failed $?
+pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not heavy" "$@" || failed $?
 wait "$docker" || failed $?
 took "step 1"
 echo "== the container tests"
