@@ -35,6 +35,7 @@ from packaging.requirements import Requirement
 from websockets.server import ServerProtocol
 
 from services.frontend import http, server, websocket
+from tests.support.source import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +93,7 @@ def _chain(node: ast.Attribute) -> tuple[str, ...] | None:
 
 
 def _class_node(module: ModuleType, name: str) -> ast.ClassDef:
-    tree = ast.parse(inspect.getsource(module))
+    tree = parse(inspect.getsource(module))
     return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
 
 
@@ -129,7 +130,7 @@ def set_by_base(cls: type) -> set[str]:
     for base in cls.__mro__[1:]:
         if base is object or not base.__module__.startswith("uvicorn"):
             continue
-        tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        tree = parse(textwrap.dedent(inspect.getsource(base)))
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and _is_self(n.value) and isinstance(n.ctx, ast.Store):
                 names.add(n.attr)
@@ -203,7 +204,7 @@ def test_the_websockets_protocol_object_has_what_the_frontend_reaches_into() -> 
 
 
 def test_uvicorn_config_takes_every_keyword_the_frontend_gives_it() -> None:
-    tree = ast.parse(inspect.getsource(server.serve))
+    tree = parse(inspect.getsource(server.serve))
     call = next(
         n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "Config"
     )

@@ -13,6 +13,7 @@ from typing import get_args
 
 import duplexbus.sdk as sdk
 from shared.sdk import chunking, realtime
+from tests.support.source import parse
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,7 +97,7 @@ def test_importing_the_sdk_loads_no_torch_and_no_service() -> None:
 
 def imported_modules(path: Path) -> set[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
         elif isinstance(node, ast.Import):
