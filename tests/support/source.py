@@ -1,11 +1,14 @@
 """Parsing source code in a test process that has other threads and leftover tasks.
 
-CPython 3.11.7 (this project's) keeps the AST constructor's recursion-depth counter in the
-interpreter's `ast` module state, not in the call: a parse that another thread's or a garbage
-finalizer's use of the module interleaves with fails with `SystemError: AST constructor
-recursion depth mismatch` (CPython gh-106905, fixed in 3.11.8 and 3.12.1). It failed
-`test_sdk_api` once in a fresh-clone run of the suite, with a leftover server task collected
-in the middle. A parse here runs with the collector off and is tried again on that error."""
+CPython 3.11 keeps the AST constructor's recursion-depth counter in the `ast` module's state,
+not in the call, and checks it after each conversion: a parse that something else's use of
+that state interleaves with (another thread, code run by the garbage collector) fails with
+`SystemError: AST constructor recursion depth mismatch`. The counter's mismatch on an error
+path was mended upstream (CPython gh-106905); the shared counter stays, and reports of the
+error in threaded programs (pytest's own issue 10763 among them) go on. It failed
+`test_sdk_api` once in a fresh-clone run of the suite on 3.11.7, with a leftover server task
+collected in the middle. A parse here runs with the collector off and is tried again on that
+error."""
 
 from __future__ import annotations
 
