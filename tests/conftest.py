@@ -93,29 +93,31 @@ HEAVY_ALONE = frozenset({"test_browser"})
 HEAVY_DOCKER = frozenset({"test_compose", "test_container_cleanup", "test_container_nats"})
 HEAVY = HEAVY_CPU | HEAVY_TIMED | HEAVY_ALONE | HEAVY_DOCKER
 
-# The first step's slowest modules (wall seconds in one run, set-up included), handed out
-# first: xdist gives out modules in order (--no-loadscope-reorder), and one that starts last
-# keeps a worker busy after the other has run out of work. The rest follow in file order.
+# The first step's slowest modules (seconds of their tests, set-up and teardown included, in
+# one run of that step: `--durations=0`, summed by module), handed out first: xdist gives out
+# modules in order (--no-loadscope-reorder), and one that starts last keeps a worker busy after
+# the other has run out of work. The rest follow in file order.
 SLOW_FIRST = {
-    "test_up_lifecycle": 135,
-    "test_frontend_fuzz": 45,
-    "test_realtime_voice": 45,
-    "test_eval_e2e": 69,
-    "test_replay": 62,
-    "test_faults": 46,
-    "test_scale_out": 40,
-    "test_eval_fake_servers": 36,
-    "test_slow_reader": 33,
-    "test_check_model_voice": 28,
-    "test_frontend_lifecycle": 24,
-    "test_rolling_upgrade": 22,
-    "test_realtime_resume": 22,
-    "test_cli_up_supervisor": 18,
-    "test_browser_page": 18,
-    "test_backbone": 18,
-    "test_observability": 16,
-    "test_realtime_limits": 14,
-    "test_tiny_duplex": 13,
+    "test_realtime_voice": 44,
+    "test_eval_fake_servers": 33,
+    "test_faults": 29,
+    "test_frontend_fuzz": 28,
+    "test_up_lifecycle": 26,
+    "test_slow_reader": 17,
+    "test_eval_e2e": 17,
+    "test_bus_patience": 12,
+    "test_scale_out": 12,
+    "test_replay": 12,
+    "test_realtime_limits": 11,
+    "test_cli_up_supervisor": 11,
+    "test_browser_page": 10,
+    "test_rolling_upgrade": 10,
+    "test_nats_py_pong": 10,
+    "test_frontend_lifecycle": 9,
+    "test_protocol_timeouts": 9,
+    "test_realtime_resume": 9,
+    "test_realtime_socket": 8,
+    "test_backbone": 7,
 }
 
 
