@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -227,6 +228,10 @@ async def test_the_embedded_server_wants_credentials_and_comes_back_when_killed(
     await echo_call(shared_up.port, "after-restart")  # the services reconnected to the restarted server
 
 
+def _on_the_bus_sync(nats_url: str, role: str) -> bool:
+    return asyncio.run(_on_the_bus(nats_url, role))
+
+
 ROLES = ("conductor", "worker", "frontend")
 
 
@@ -253,7 +258,7 @@ def test_every_service_stops_on_sigterm_with_nats_out_of_reach(tmp_path: Path) -
         # The ones started on the live server are connected and serving; the others have been
         # trying for at least as long.
         for role in ROLES:
-            until_sync(lambda role=role: asyncio.run(_on_the_bus(server.url, role)), 30, f"the {role} up on the bus")
+            until_sync(functools.partial(_on_the_bus_sync, server.url, role), 30, f"the {role} up on the bus")
         server.kill()
     time.sleep(1)  # a moment without the server: none exits of it (what is checked next)
     for (role, case), p in procs.items():
