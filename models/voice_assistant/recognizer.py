@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,17 +57,138 @@ class _CallState:
     turns: int = 0
     samples: int = 0
     partials: int = 0
+    fed: int = 0  # samples of the open turn fed in this step
+    audio: list[np.ndarray] = field(default_factory=list)  # the open turn's audio (engines that decode it whole)
+    decoded: int = 0  # samples of the open turn covered by the last whole decode
 
 
-class Recognizer(Partition):
+class TurnRecognizer(Partition):
+    """What every recognizer of the voice assistant does with the `speech` edge, whatever
+    engine hears it: a turn is the items of one `turn` number, up to its `end` item; each turn
+    gets partial transcripts while it goes on (when the hypothesis changed and is not empty)
+    and one final pair at its end (the client output and the `transcript` edge item), also
+    when decoding fails (the turn then ends empty, and the call's engine state is dropped).
+
+    An engine implements the hooks: `_begin` (a turn starts), `_feed` (its audio), `_hypothesis`
+    (the partial text now, or None when none is due), `_end` (the final text) and `_release`
+    (the call's engine state goes, at a close or after a fault)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, _CallState] = {}
+
+    # -- engine hooks ----------------------------------------------------------
+    def _begin(self, st: _CallState) -> None:
+        raise NotImplementedError
+
+    def _feed(self, st: _CallState, pcm: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _hypothesis(self, st: _CallState) -> str | None:
+        raise NotImplementedError
+
+    def _end(self, st: _CallState) -> str:
+        raise NotImplementedError
+
+    def _release(self, st: _CallState, reuse: bool) -> None:
+        """The call's engine state goes: at its close (`reuse`: it may serve another call) or
+        after a fault (its state unknown: thrown away)."""
+        raise NotImplementedError
+
+    # -- calls ---------------------------------------------------------------
+    def open_call(self, call: CallInfo) -> None:
+        self._calls[call.cid] = _CallState()
+
+    def close_call(self, cid: str) -> dict[str, Any]:
+        st = self._calls.pop(cid, None)
+        if st is None:
+            return {}
+        self._release(st, reuse=True)
+        return {"turns": st.turns, "speech_s": round(st.samples / SAMPLE_RATE, 3), "partials": st.partials}
+
+    # -- stepping ------------------------------------------------------------
+    def step(self, batch: list[StepInput]) -> list[Emission]:
+        out: list[Emission] = []
+        for s in batch:
+            st = self._calls.get(s.cid)
+            if st is None:
+                continue
+            chunk = s.chunks.get("speech")
+            items = chunk.items if chunk is not None else []
+            mine: list[Emission] = []
+            try:
+                st.fed = 0
+                for item in items:
+                    self._item(s.cid, st, item, mine)
+                if st.in_utt:
+                    if s.inputs_ended:
+                        # The Listener always closes a turn; this is a safety net.
+                        self._finish(s.cid, st, short=False, out=mine)
+                    else:
+                        self._partial(s.cid, st, mine)
+            except Exception:  # one call's bad input or decoder fault stays with that call (I-4)
+                log.exception("recognizer: call %s: decoding failed; its turn ends empty", s.cid)
+                self._reset(s.cid, st, mine)
+            out.extend(mine)
+        return out
+
+    def _reset(self, cid: str, st: _CallState, out: list[Emission]) -> None:
+        """Throw the call's engine state away and end its open turn empty."""
+        self._release(st, reuse=False)
+        if st.in_utt:
+            self._emit_final(cid, st, "", short=False, out=out)
+
+    def _item(self, cid: str, st: _CallState, item: Item, out: list[Emission]) -> None:
+        meta = item.meta
+        turn = int(meta.get("turn", 0))
+        if st.in_utt and turn != st.turn:
+            self._finish(cid, st, short=False, out=out)  # a turn whose end never came
+        if not st.in_utt:
+            if turn <= st.turns and turn != 0:
+                return  # an item of a turn already finished
+            self._begin(st)
+            st.in_utt = True
+            st.turn = turn
+            st.partial = ""
+        if item.data is not None and len(item.data):
+            pcm = np.asarray(item.data).reshape(-1)
+            if pcm.dtype != np.int16:
+                pcm = np.clip(pcm, -32768, 32767).astype(np.int16)
+            st.samples += len(pcm)
+            st.fed += len(pcm)
+            self._feed(st, pcm)
+        if meta.get("end"):
+            self._finish(cid, st, short=bool(meta.get("short", False)), out=out)
+
+    def _partial(self, cid: str, st: _CallState, out: list[Emission]) -> None:
+        text = self._hypothesis(st)
+        if text and text != st.partial:
+            st.partial = text
+            st.partials += 1
+            out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": False}))
+
+    def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission]) -> None:
+        self._emit_final(cid, st, self._end(st), short=short, out=out)
+
+    @staticmethod
+    def _emit_final(cid: str, st: _CallState, text: str, short: bool, out: list[Emission]) -> None:
+        """Close the open turn: the final transcript to the client and on the `transcript` edge."""
+        st.in_utt = False
+        st.turns = max(st.turns, st.turn)
+        out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": True}))
+        out.append(EdgeItem(cid, "transcript", Item(None, {"turn": st.turn, "text": text, "short": short})))
+
+
+class Recognizer(TurnRecognizer):
+    """pocketsphinx: one streaming decoder per call, from a pool (see the module's docstring)."""
+
     def __init__(self, pool_size: int = 8, warm_decoders: int = 1, decoder_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
         self.decoder_options = dict(decoder_options or {})
         self.pool_size = max(pool_size, warm_decoders, 1)
         first = new_decoder(**self.decoder_options)
         self.initial_cmn = first.get_cmn(False)
         self._pool: list[Any] = [first]
         self._pool += [new_decoder(**self.decoder_options) for _ in range(warm_decoders - 1)]
-        self._calls: dict[str, _CallState] = {}
         # Fill the rest of the pool off the step path: a fresh worker's first calls then find
         # a decoder ready instead of building one (~0.5 s) inside a step that holds every call.
         # list.append/pop are atomic, so the filler needs no lock against _acquire/_release.
@@ -84,9 +205,7 @@ class Recognizer(Partition):
     def _acquire(self) -> Any:
         return self._pool.pop() if self._pool else new_decoder(**self.decoder_options)
 
-    def _release(self, decoder: Any, in_utt: bool) -> None:
-        if decoder is None:
-            return
+    def _give_back(self, decoder: Any, in_utt: bool) -> None:
         try:
             if in_utt:
                 decoder.end_utt()
@@ -96,88 +215,25 @@ class Recognizer(Partition):
         if len(self._pool) < self.pool_size:
             self._pool.append(decoder)
 
-    # -- calls ---------------------------------------------------------------
-    def open_call(self, call: CallInfo) -> None:
-        self._calls[call.cid] = _CallState()
+    # -- the hooks -------------------------------------------------------------
+    def _begin(self, st: _CallState) -> None:
+        if st.decoder is None:
+            st.decoder = self._acquire()
+        st.decoder.start_utt()
 
-    def close_call(self, cid: str) -> dict[str, Any]:
-        st = self._calls.pop(cid, None)
-        if st is None:
-            return {}
-        self._release(st.decoder, st.in_utt)
-        return {"turns": st.turns, "speech_s": round(st.samples / SAMPLE_RATE, 3), "partials": st.partials}
+    def _feed(self, st: _CallState, pcm: np.ndarray) -> None:
+        st.decoder.process_raw(pcm.astype("<i2", copy=False).tobytes(), False, False)
 
-    # -- stepping ------------------------------------------------------------
-    def step(self, batch: list[StepInput]) -> list[Emission]:
-        out: list[Emission] = []
-        for s in batch:
-            st = self._calls.get(s.cid)
-            if st is None:
-                continue
-            chunk = s.chunks.get("speech")
-            items = chunk.items if chunk is not None else []
-            mine: list[Emission] = []
-            try:
-                for item in items:
-                    self._item(s.cid, st, item, mine)
-                if st.in_utt:
-                    if s.inputs_ended:
-                        # The Listener always closes a turn; this is a safety net.
-                        self._finish(s.cid, st, short=False, out=mine)
-                    else:
-                        self._partial(s.cid, st, mine)
-            except Exception:  # one call's bad input or decoder fault stays with that call (I-4)
-                log.exception("recognizer: call %s: decoding failed; its turn ends empty", s.cid)
-                self._reset(s.cid, st, mine)
-            out.extend(mine)
-        return out
-
-    def _reset(self, cid: str, st: _CallState, out: list[Emission]) -> None:
-        """Throw the call's decoder away (not back to the pool) and end its open turn empty."""
-        st.decoder = None
-        if st.in_utt:
-            self._emit_final(cid, st, "", short=False, out=out)
-
-    def _item(self, cid: str, st: _CallState, item: Item, out: list[Emission]) -> None:
-        meta = item.meta
-        turn = int(meta.get("turn", 0))
-        if st.in_utt and turn != st.turn:
-            self._finish(cid, st, short=False, out=out)  # a turn whose end never came
-        if not st.in_utt:
-            if turn <= st.turns and turn != 0:
-                return  # an item of a turn already finished
-            if st.decoder is None:
-                st.decoder = self._acquire()
-            st.decoder.start_utt()
-            st.in_utt = True
-            st.turn = turn
-            st.partial = ""
-        if item.data is not None and len(item.data):
-            pcm = np.asarray(item.data).reshape(-1)
-            if pcm.dtype != np.int16:
-                pcm = np.clip(pcm, -32768, 32767).astype(np.int16)
-            st.samples += len(pcm)
-            st.decoder.process_raw(pcm.astype("<i2", copy=False).tobytes(), False, False)
-        if meta.get("end"):
-            self._finish(cid, st, short=bool(meta.get("short", False)), out=out)
-
-    def _partial(self, cid: str, st: _CallState, out: list[Emission]) -> None:
+    def _hypothesis(self, st: _CallState) -> str | None:
         hyp = st.decoder.hyp()
-        text = hyp.hypstr.strip() if hyp is not None else ""
-        if text and text != st.partial:
-            st.partial = text
-            st.partials += 1
-            out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": False}))
+        return hyp.hypstr.strip() if hyp is not None else ""
 
-    def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission]) -> None:
+    def _end(self, st: _CallState) -> str:
         st.decoder.end_utt()
         hyp = st.decoder.hyp()
-        self._emit_final(cid, st, hyp.hypstr.strip() if hyp is not None else "", short=short, out=out)
+        return hyp.hypstr.strip() if hyp is not None else ""
 
-    @staticmethod
-    def _emit_final(cid: str, st: _CallState, text: str, short: bool, out: list[Emission]) -> None:
-        """Close the open turn: the final transcript to the client and on the `transcript` edge."""
-        st.in_utt = False
-        st.turns = max(st.turns, st.turn)
-        out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": True}))
-        out.append(EdgeItem(cid, "transcript", Item(None, {"turn": st.turn, "text": text, "short": short})))
+    def _release(self, st: _CallState, reuse: bool) -> None:
+        decoder, st.decoder = st.decoder, None
+        if decoder is not None and reuse:
+            self._give_back(decoder, st.in_utt)

