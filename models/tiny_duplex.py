@@ -410,7 +410,7 @@ class TinyDuplexPartition(Partition):
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        return int(self.pool.numel() * self.pool.element_size())
 
     def slot_of(self, cid: str) -> int:
         return self._state(cid).slot

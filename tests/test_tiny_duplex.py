@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from types import ModuleType
@@ -26,9 +27,7 @@ from shared.sdk.model import CallInfo, Output, StepInput
 def torch() -> ModuleType:
     """Imported by the tests that use it, not at collection: torch's import takes 2 s of CPU,
     in every pytest process that collects this module."""
-    import torch
-
-    return torch
+    return importlib.import_module("torch")
 
 
 WINDOW, VOCAB = 8, 64
