@@ -115,21 +115,7 @@ def stream_config(config: ServingConfig) -> StreamConfig:
     )
 
 
-# How long a message the server delivered to the conductor may go unacknowledged before it is
-# delivered again. A delivery the conductor never receives (a route between cluster nodes
-# dropped with it in flight, a read loop that died) is not lost, only late by this much: a call
-# whose open it was waits that long to be placed. It was 30 s: a call opened during one route
-# blip of a cluster waited half a minute (seen once in a full run, tests/test_cluster.py). The
-# conductor acknowledges a batch once its writes are stored (well under a second), and it takes
-# a message it reads again as the same event, so a redelivery of one still settling costs only
-# the read.
-CONDUCTOR_ACK_WAIT_S = 5.0
-
-
 def conductor_consumer() -> ConsumerConfig:
-    """The conductor's durable. Adding it again over one an older version made edits that one
-    to these settings (ack_wait included): the server takes an add with editable changes as an
-    update."""
     return ConsumerConfig(
         durable_name=subjects.CONDUCTOR_DURABLE,
         filter_subjects=subjects.CONDUCTOR_FILTERS,
@@ -137,7 +123,7 @@ def conductor_consumer() -> ConsumerConfig:
         # A new durable starts at now: opens of calls from before it existed are history,
         # not work. Frontends wait for this consumer before they accept calls.
         deliver_policy=DeliverPolicy.NEW,
-        ack_wait=CONDUCTOR_ACK_WAIT_S,
+        ack_wait=30,
         max_ack_pending=10_000,
     )
 
