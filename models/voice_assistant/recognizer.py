@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,22 +78,23 @@ class TurnRecognizer(Partition):
         self._calls: dict[str, _CallState] = {}
 
     # -- engine hooks ----------------------------------------------------------
-    def _begin(self, st: _CallState) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _begin(self, st: _CallState) -> None: ...
 
-    def _feed(self, st: _CallState, pcm: np.ndarray) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _feed(self, st: _CallState, pcm: np.ndarray) -> None: ...
 
-    def _hypothesis(self, st: _CallState) -> str | None:
-        raise NotImplementedError
+    @abstractmethod
+    def _hypothesis(self, st: _CallState) -> str | None: ...
 
-    def _end(self, st: _CallState) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def _end(self, st: _CallState) -> str: ...
 
+    @abstractmethod
     def _release(self, st: _CallState, reuse: bool) -> None:
         """The call's engine state goes: at its close (`reuse`: it may serve another call) or
         after a fault (its state unknown: thrown away)."""
-        raise NotImplementedError
+        ...
 
     # -- calls ---------------------------------------------------------------
     def open_call(self, call: CallInfo) -> None:
@@ -230,8 +232,7 @@ class Recognizer(TurnRecognizer):
 
     def _end(self, st: _CallState) -> str:
         st.decoder.end_utt()
-        hyp = st.decoder.hyp()
-        return hyp.hypstr.strip() if hyp is not None else ""
+        return self._hypothesis(st) or ""
 
     def _release(self, st: _CallState, reuse: bool) -> None:
         decoder, st.decoder = st.decoder, None
