@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import nats
 import pytest
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import ServiceUnavailableError
 
-from shared.bus import subjects
+from shared.bus import connection, subjects
+from shared.runtime.errors import BusUnavailable
 from tests.support.bus import bus_client
 
 
@@ -78,3 +82,37 @@ async def test_a_read_up_to_a_stored_sequence_merges_its_filters_in_order_withou
         async with consumer_requests(nats_url) as requests:
             assert [body async for _, body, _ in conn.read_stored(filters, after=seqs[-1])] == [b"after the barrier"]
         assert any(".CREATE." in r for r in requests), requests
+
+
+async def test_a_read_whose_consumer_has_no_leader_yet_asks_again(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a cluster, a read's consumer just made takes no pull until its leader is elected: the
+    server answers no responders (503). The read asks again and reads everything (before, it
+    failed: a worker's catch-up read at placement gave up, and the gap read had to mend it);
+    once the consumer has answered, a 503 fails the read at once."""
+    real = JetStreamContext.PullSubscription.fetch
+    leaderless = [2]
+
+    async def fetch(self: JetStreamContext.PullSubscription, *args: Any, **kwargs: Any) -> list[Msg]:
+        if leaderless[0] > 0:
+            leaderless[0] -= 1
+            raise ServiceUnavailableError
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", fetch)
+    async with bus_client(nats_url, "test-read-leaderless") as conn:
+        cid = subjects.new_cid()
+        for i in range(4):
+            await conn.store(subjects.out(cid), f"o{i}".encode())
+        assert [body async for _, body, _ in conn.read_stored([subjects.out(cid)], batch=2)] == [b"o0", b"o1", b"o2", b"o3"]
+        assert leaderless == [0]
+        leaderless[0] = 10**6  # a consumer that never gets a leader: the read fails after the bound
+        monkeypatch.setattr(connection, "LEADERLESS_WAIT_S", 0.3)
+        with pytest.raises(BusUnavailable):
+            [m async for m in conn.read_stored([subjects.out(cid)], batch=2)]
+        leaderless[0] = 0
+        read = conn.read_stored([subjects.out(cid)], batch=2)
+        assert [body for _, body, _ in [await anext(read), await anext(read)]] == [b"o0", b"o1"]
+        leaderless[0] = 1  # the consumer answered once: a 503 now is not a leader being elected
+        with pytest.raises(BusUnavailable):
+            await anext(read)
+        await read.aclose()

@@ -24,7 +24,7 @@ from typing import Any
 import nats
 
 from shared.bus import subjects
-from shared.bus.connection import BusConnection
+from shared.bus.connection import BusConnection, conductor_consumer
 from shared.bus.embedded import NatsCluster, free_port
 from shared.bus.kv import Bucket
 from shared.runtime.config import parse_config
@@ -162,6 +162,45 @@ async def test_a_bucket_without_a_leader_says_it_takes_no_writes() -> None:
             assert held == 0  # the probes stored nothing
         finally:
             await bus.close()
+
+
+async def test_the_conductors_consumer_delivers_the_opens_published_once_it_is_seen() -> None:
+    """Frontends accept calls once the conductor's consumer exists (FrontendService waits for
+    it). On a cluster, opens a frontend on another node publishes the moment it sees the
+    consumer are each delivered, in each of three rounds with a new consumer. With
+    DeliverPolicy.NEW the server picked the first sequence when the consumer's leader was
+    elected, later than that: none of them was (shared/bus/connection.py conductor_consumer)."""
+    with tempfile.TemporaryDirectory(prefix="duplexbus-cluster-") as store, NatsCluster(store) as cluster:
+        conductor = await BusConnection.open(parse_config({"nats_url": cluster.nodes[2].url, "retention": {"replicas": 3}}), "c")
+        frontend = await BusConnection.open(parse_config({"nats_url": cluster.nodes[0].url, "retention": {"replicas": 3}}), "f")
+        nc = await nats.connect(cluster.nodes[1].url)
+        try:
+            for r in range(3):
+                seen = asyncio.create_task(_publish_once_seen(frontend, [f"r{r}-{i}" for i in range(3)]))
+                sub = await conductor.durable(conductor_consumer)
+                published = await seen
+                got: list[str] = []
+                deadline = asyncio.get_running_loop().time() + 10.0
+                while len(got) < len(published) and asyncio.get_running_loop().time() < deadline:
+                    with contextlib.suppress(BusUnavailable):  # the consumer's leader being elected
+                        for m in await sub.fetch(16, timeout=1.0):
+                            got.append(subjects.parse(m.subject).cid)
+                            await conductor.ack(m)
+                assert got == published, f"round {r}: {got} of {published}"
+                await nc.jetstream().delete_consumer(subjects.STREAM, subjects.CONDUCTOR_DURABLE)
+        finally:
+            await nc.close()
+            await frontend.close()
+            await conductor.close()
+
+
+async def _publish_once_seen(bus: BusConnection, cids: list[str]) -> list[str]:
+    """As a frontend does: wait for the conductor's consumer, then open calls at once."""
+    while not await bus.has_consumer(subjects.CONDUCTOR_DURABLE):
+        await asyncio.sleep(0.005)
+    for cid in cids:
+        await bus.store(subjects.open_(cid), b"{}")
+    return cids
 
 
 async def _writable_within(bucket: Bucket, seconds: float) -> bool:

@@ -82,7 +82,7 @@ class ConductorService:
             self.config, "duplexbus-conductor", buckets=list(BUCKETS), reconnected=self._on_reconnect
         )
         await self._restore()
-        sub = await self.bus.durable(conductor_consumer())
+        sub = await self.bus.durable(conductor_consumer)
         self.readiness.conn = self.bus
         health = None
         if self.health_port is not None:  # loopback unless the config opens it (health_host)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
 import ssl
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
@@ -115,14 +117,23 @@ def stream_config(config: ServingConfig) -> StreamConfig:
     )
 
 
-def conductor_consumer() -> ConsumerConfig:
+def conductor_consumer(after: int) -> ConsumerConfig:
+    """The conductor's durable consumer, made to start after stream sequence `after` (the
+    stream's last when it is made: BusConnection.durable). Opens of calls from before it
+    existed are history, not work; frontends wait for this consumer before they accept calls,
+    so every open they publish comes after `after`.
+
+    Not DeliverPolicy.NEW: on a cluster the server picks NEW's first sequence once the
+    consumer's leader is elected, which can be after the create was answered and frontends
+    saw the consumer. Opens published in between were never delivered (tried as a new user
+    would: a publisher on another node that waits for the consumer, then publishes at once,
+    lost every message in 30 rounds of 30; tests/test_cluster.py)."""
     return ConsumerConfig(
         durable_name=subjects.CONDUCTOR_DURABLE,
         filter_subjects=subjects.CONDUCTOR_FILTERS,
         ack_policy=AckPolicy.EXPLICIT,
-        # A new durable starts at now: opens of calls from before it existed are history,
-        # not work. Frontends wait for this consumer before they accept calls.
-        deliver_policy=DeliverPolicy.NEW,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=after + 1,
         ack_wait=30,
         max_ack_pending=10_000,
     )
@@ -142,6 +153,8 @@ def redacted(urls: str | None) -> str:
 
 
 CLOSE_FAILED_S = 2.0
+LEADERLESS_WAIT_S = 5.0  # a read's consumer just made on a cluster may have no leader yet (_pull)
+LEADERLESS_PAUSE_S = 0.05
 # nats-py PINGs the server every PING_INTERVAL_S and reconnects once more than
 # MAX_OUTSTANDING_PINGS are unanswered: a server that stopped answering (frozen, or a node
 # cut off) is left within 4 to 5 s. nats-py's defaults (120 s, 2) took 4 to 6 minutes.
@@ -362,14 +375,24 @@ class BusConnection:
             await self._js.update_stream(info.config)
             log.info("bucket %s now allows the marker TTL of removed keys", bucket)
 
-    async def durable(self, config: ConsumerConfig) -> Durable:
-        """The durable consumer `config` names, created where missing, bound for pulling."""
-        name = config.durable_name or ""
+    async def durable(self, config: Callable[[int], ConsumerConfig]) -> Durable:
+        """The durable consumer `config(after)` describes, bound for pulling. Where missing it
+        is made with `after` the stream's last sequence now: it starts with what is stored
+        next. Where it exists, `config` updates it (an ack_wait changed by an upgrade, say) and
+        it keeps the starting point it was made with (the server changes none)."""
+        name = config(0).durable_name or ""
         with mapped(f"binding consumer {name}", self._denials):
             try:
-                await self._js.add_consumer(subjects.STREAM, config)
-            except BadRequestError:
-                log.debug("consumer %s exists with other settings", name)
+                info = await self._js.consumer_info(subjects.STREAM, name)
+                made = info.config
+                cfg = dataclasses.replace(config(0), deliver_policy=made.deliver_policy, opt_start_seq=made.opt_start_seq)
+                cfg.opt_start_time = made.opt_start_time
+            except NotFoundError:
+                cfg = config((await self._js.stream_info(subjects.STREAM)).state.last_seq)
+            try:
+                await self._js.add_consumer(subjects.STREAM, cfg)
+            except BadRequestError as e:  # made or changed meanwhile by another conductor
+                log.warning("consumer %s not updated: %s", name, e)
             sub = await self._js.pull_subscribe_bind(durable=name, stream=subjects.STREAM)
         return Durable(sub, self._denials)
 
@@ -574,12 +597,13 @@ class BusConnection:
             with mapped(doing, self._denials):
                 sub = await self._js.pull_subscribe_bind(consumer=info.name, stream=subjects.STREAM)
             try:
+                led = False  # the consumer answered a pull once: it has its leader
                 while pending > 0:
                     try:
-                        with mapped(doing, self._denials):
-                            msgs = await sub.fetch(min(pending, batch), timeout=2.0)
+                        msgs = await self._pull(sub, min(pending, batch), doing, waited_s=0.0 if led else None)
                     except BusTimeout:
                         return
+                    led = True
                     for m in msgs:
                         pending = m.metadata.num_pending
                         yield m
@@ -595,6 +619,22 @@ class BusConnection:
                     await self._js.delete_consumer(subjects.STREAM, info.name)
             except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
                 log.debug("deleting a read's consumer: %s", e)
+
+    async def _pull(self, sub: JetStreamContext.PullSubscription, n: int, doing: str, waited_s: float | None) -> list[Msg]:
+        """A read's fetch. A consumer just made on a cluster takes no pull until its leader is
+        elected: the server answers no responders (503) for a moment after the create was
+        answered (1 read in 40 here, on an idle machine). Such a pull is asked again for up
+        to LEADERLESS_WAIT_S while connected; `waited_s=0.0` (a consumer that answered once)
+        asks it once."""
+        deadline = time.monotonic() + (LEADERLESS_WAIT_S if waited_s is None else waited_s)
+        while True:
+            try:
+                with mapped(doing, self._denials):
+                    return await sub.fetch(n, timeout=2.0)
+            except BusUnavailable:
+                if not self.is_connected or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(LEADERLESS_PAUSE_S)
 
     def history(self, filters: list[str], *, follow: bool = False, since: float | None = None) -> AsyncGenerator[Stored, None]:
         """What the stream holds on `filters` with its timestamps, oldest first, read fast (a
