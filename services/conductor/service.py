@@ -18,7 +18,8 @@ from services.conductor.liveness import Liveness
 from services.conductor.observe import Observer
 from services.conductor.retention import Janitor
 from shared.bus import subjects, wire
-from shared.bus.connection import BUCKETS, BusConnection, BusMsg, Durable, conductor_consumer
+from shared.bus.connection import BUCKETS, BusConnection, BusMsg, conductor_consumer
+from shared.bus.durable import Durable
 from shared.bus.kv import Bucket, KvEntry
 from shared.bus.readiness import Readiness
 from shared.runtime import healthfile

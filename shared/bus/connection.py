@@ -43,6 +43,7 @@ from shared.bus import subjects
 from shared.bus.acks import Acks
 from shared.bus.confirmed import Confirmer
 from shared.bus.direct import DirectReads, supported
+from shared.bus.durable import Durable
 from shared.bus.failures import Denials, mapped
 from shared.bus.history import Stored, read_history
 from shared.bus.internals import GuardedClient, reading, subscribe_direct
@@ -194,22 +195,6 @@ def _connect_options(config: ServingConfig, name: str) -> dict[str, Any]:
             ctx.load_cert_chain(config.nats_tls.cert_file, config.nats_tls.key_file)
         opts["tls"] = ctx
     return opts
-
-
-class Durable:
-    """A durable pull consumer (the conductor's): fetch a batch, acknowledge each message."""
-
-    def __init__(self, sub: JetStreamContext.PullSubscription, denials: Denials) -> None:
-        self._sub = sub
-        self._denials = denials
-
-    async def fetch(self, batch: int, timeout: float) -> list[BusMsg]:
-        """Up to `batch` messages; [] when none came within `timeout`."""
-        try:
-            with mapped("fetching from the conductor's consumer", self._denials):
-                return list(await self._sub.fetch(batch, timeout=timeout))
-        except BusTimeout:
-            return []
 
 
 def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Request], Awaitable[None]]:
@@ -394,7 +379,7 @@ class BusConnection:
             except BadRequestError as e:  # made or changed meanwhile by another conductor
                 log.warning("consumer %s not updated: %s", name, e)
             sub = await self._js.pull_subscribe_bind(durable=name, stream=subjects.STREAM)
-        return Durable(sub, self._denials)
+        return Durable(self._js, sub, name, self._denials)
 
     async def has_consumer(self, durable: str) -> bool:
         try:
