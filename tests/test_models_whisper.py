@@ -90,6 +90,27 @@ def test_a_final_with_nothing_new_since_the_last_partial_is_that_partial_and_cos
     assert texts(out) == [("final", "heard 1"), ("edge", "heard 1")]
 
 
+def test_a_step_makes_one_partial_decode_the_finals_first_and_the_partials_take_turns() -> None:
+    """Three calls whose partials fall due in the same step, a fourth call's turn ending in it:
+    the final is decoded, and one partial, the call's whose last partial heard least; the
+    others get theirs in the next steps. Before, every due partial was decoded in the step (on
+    a loaded machine eight of them held the next step's finals back by a second)."""
+    r, heard = recognizer()
+    cids = ["a", "b", "c", "ends"]
+    for cid in cids:
+        r.open_call(CallInfo(cid))
+    for _ in range(6):  # 0.48 s each: no partial due yet
+        r.step([speech(cid, STEP) for cid in cids])
+    assert heard.clips == []
+    out = r.step([speech("a", 2 * STEP), speech("b", STEP), speech("c", STEP), speech("ends", STEP, end=True)])
+    assert heard.clips == [7 * STEP, 8 * STEP]  # the final's whole turn, then a's partial (the most behind)
+    assert [(o.cid, o.data["final"]) for o in out if isinstance(o, Output)] == [("a", False), ("ends", True)]
+    out = r.step([speech(cid, 0) for cid in "abc"])  # nothing new: b and c, as due as before, one at a time
+    out += r.step([speech(cid, 0) for cid in "abc"])
+    out += r.step([speech(cid, 0) for cid in "abc"])
+    assert [o.cid for o in out if isinstance(o, Output)] == ["b", "c"] and heard.clips[2:] == [7 * STEP, 7 * STEP]
+
+
 def test_a_decode_that_fails_ends_the_turn_empty_and_the_next_turn_is_heard() -> None:
     r, heard = recognizer()
     r.open_call(CallInfo("c"))

@@ -61,6 +61,7 @@ class _CallState:
     fed: int = 0  # samples of the open turn fed in this step
     audio: list[np.ndarray] = field(default_factory=list)  # the open turn's audio (engines that decode it whole)
     decoded: int = 0  # samples of the open turn covered by the last whole decode
+    heard: int = 0  # samples of the open turn so far (engines that decode it whole)
 
 
 class TurnRecognizer(Partition):
@@ -74,8 +75,16 @@ class TurnRecognizer(Partition):
     (the partial text now, or None when none is due), `_end` (the final text) and `_release`
     (the call's engine state goes, at a close or after a fault)."""
 
+    # Partial decodes a step may make (None: one for each call with an open turn); the hook
+    # `_behind` says which calls' partials are most due.
+    partial_budget: int | None = None
+
     def __init__(self) -> None:
         self._calls: dict[str, _CallState] = {}
+
+    def _behind(self, st: _CallState) -> int:
+        """Samples of the open turn its last partial did not hear (the budget's order)."""
+        return 0
 
     # -- engine hooks ----------------------------------------------------------
     @abstractmethod
@@ -109,29 +118,42 @@ class TurnRecognizer(Partition):
 
     # -- stepping ------------------------------------------------------------
     def step(self, batch: list[StepInput]) -> list[Emission]:
-        out: list[Emission] = []
+        """Every call's items first (the turns that end get their finals), then the partials:
+        at most `partial_budget` of them, the calls whose last partial heard least first, so a
+        step of many calls that each decode their whole turn (Whisper) does not hold up the
+        finals of the next one behind a partial decode of each call."""
+        mine: dict[str, list[Emission]] = {}
+        open_turns: list[tuple[str, _CallState]] = []
         for s in batch:
             st = self._calls.get(s.cid)
             if st is None:
                 continue
             chunk = s.chunks.get("speech")
-            items = chunk.items if chunk is not None else []
-            mine: list[Emission] = []
+            emitted = mine.setdefault(s.cid, [])
             try:
                 st.fed = 0
-                for item in items:
-                    self._item(s.cid, st, item, mine)
-                if st.in_utt:
-                    if s.inputs_ended:
-                        # The Listener always closes a turn; this is a safety net.
-                        self._finish(s.cid, st, short=False, out=mine)
-                    else:
-                        self._partial(s.cid, st, mine)
+                for item in chunk.items if chunk is not None else []:
+                    self._item(s.cid, st, item, emitted)
+                if st.in_utt and s.inputs_ended:  # the Listener always closes a turn; a safety net
+                    self._finish(s.cid, st, short=False, out=emitted)
+                elif st.in_utt:
+                    open_turns.append((s.cid, st))
             except Exception:  # one call's bad input or decoder fault stays with that call (I-4)
                 log.exception("recognizer: call %s: decoding failed; its turn ends empty", s.cid)
-                self._reset(s.cid, st, mine)
-            out.extend(mine)
-        return out
+                self._reset(s.cid, st, emitted)
+        budget = self.partial_budget
+        if budget is not None:
+            open_turns.sort(key=lambda c: self._behind(c[1]), reverse=True)
+        for cid, st in open_turns:
+            if budget is not None and budget <= 0:
+                break
+            try:
+                if self._partial(cid, st, mine[cid]) and budget is not None:
+                    budget -= 1
+            except Exception:
+                log.exception("recognizer: call %s: decoding failed; its turn ends empty", cid)
+                self._reset(cid, st, mine[cid])
+        return [e for emitted in mine.values() for e in emitted]
 
     def _reset(self, cid: str, st: _CallState, out: list[Emission]) -> None:
         """Throw the call's engine state away and end its open turn empty."""
@@ -161,12 +183,16 @@ class TurnRecognizer(Partition):
         if meta.get("end"):
             self._finish(cid, st, short=bool(meta.get("short", False)), out=out)
 
-    def _partial(self, cid: str, st: _CallState, out: list[Emission]) -> None:
+    def _partial(self, cid: str, st: _CallState, out: list[Emission]) -> bool:
+        """The call's partial transcript, where one is due; whether one was decoded."""
         text = self._hypothesis(st)
+        if text is None:
+            return False
         if text and text != st.partial:
             st.partial = text
             st.partials += 1
             out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": False}))
+        return True
 
     def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission]) -> None:
         self._emit_final(cid, st, self._end(st), short=short, out=out)
