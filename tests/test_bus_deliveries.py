@@ -6,6 +6,11 @@ takes a delivery and never acknowledges it, as a pull request of a dropped conne
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import pytest
+from nats.js.errors import APIError
+from nats.js.manager import JetStreamManager
 
 from shared.bus import subjects
 from shared.bus.connection import BusConnection, conductor_consumer
@@ -94,3 +99,26 @@ async def test_a_delivery_that_never_reached_the_conductor_comes_again_within_se
             await bus.store(subjects.open_("c"), b"{}")
             assert (await _fetched(sub, bus, within=5.0))[0] == ["c"]
             assert (await _fetched(sub, bus, within=3.0))[0] == [] and sub.resets == 2
+
+
+async def test_a_server_that_refuses_the_reset_is_not_asked_again_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server older than 2.14 has no consumer reset: the refusal is logged, fetching goes
+    on (the lost delivery comes after ack_wait, as before), and the reset is not asked for
+    again within RESET_REFUSED_PAUSE_S; a timeout is asked again after RESET_RETRY_S."""
+    asked: list[str] = []
+
+    async def refuse(self: JetStreamManager, stream: str, consumer: str, **kwargs: Any) -> None:
+        asked.append(consumer)
+        raise APIError(code=400, description="unknown API")
+
+    monkeypatch.setattr(JetStreamManager, "reset_consumer", refuse)
+    with own_nats_server("duplexbus-deliveries-") as server:
+        async with bus_client(server.url, "conductor") as bus, connected(server.url) as nc:
+            sub = await bus.durable(conductor_consumer)
+            thief = await nc.jetstream().pull_subscribe_bind(durable=subjects.CONDUCTOR_DURABLE, stream=subjects.STREAM)
+            await bus.store(subjects.open_("lost"), b"{}")
+            assert len(await thief.fetch(1, timeout=5)) == 1
+            got, _ = await _fetched(sub, bus, within=4.0)  # three idle looks: lost, refused, not asked again
+            assert got == [] and asked == [subjects.CONDUCTOR_DURABLE] and sub.resets == 0
+            await bus.store(subjects.open_("next"), b"{}")
+            assert (await _fetched(sub, bus, within=3.0))[0] == ["next"]  # fetching goes on

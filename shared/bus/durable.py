@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A look or a reset waits this long at most: the fetches wait behind it (an API answering
+# slowly during an election must not keep the conductor from reading).
+LOOK_TIMEOUT_S = 1.0
+RESET_RETRY_S = 2.0
 RESET_REFUSED_PAUSE_S = 30.0  # a server that refused a reset (older than 2.14, say) is not asked again sooner
 
 
@@ -50,7 +54,7 @@ class Durable:
     async def _look(self) -> None:
         try:
             with mapped(f"looking at consumer {self.name}", self._denials):
-                info = await self._js.consumer_info(subjects.STREAM, self.name)
+                info = await self._js.consumer_info(subjects.STREAM, self.name, timeout=LOOK_TIMEOUT_S)
         except BusError as e:  # the next fetch meets the same outage, and says so
             log.debug("looking at consumer %s: %s", self.name, e)
             return
@@ -66,10 +70,11 @@ class Durable:
             return
         try:
             with mapped(f"resetting consumer {self.name}", self._denials):
-                await self._js.reset_consumer(subjects.STREAM, self.name)
+                await self._js.reset_consumer(subjects.STREAM, self.name, timeout=LOOK_TIMEOUT_S)
         except BusError as e:
             log.warning("consumer %s lost deliveries and could not be reset (%s): they come after its ack_wait", self.name, e)
-            self._refused_until = time.monotonic() + RESET_REFUSED_PAUSE_S
+            # a timeout (an election, say) is asked again soon; a refusal not for a while
+            self._refused_until = time.monotonic() + (RESET_RETRY_S if e.recoverable else RESET_REFUSED_PAUSE_S)
             return
         self.deliveries.reset()
         self.resets += 1
