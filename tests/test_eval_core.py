@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pybase64
@@ -124,6 +125,41 @@ def test_figures_count_from_the_end_of_input() -> None:
     assert f.reply_audio_s == pytest.approx(0.4)
     assert f.rtf == pytest.approx(1.9 / 0.4)
     assert f.gaps_s == pytest.approx([1.5, 0.1, 0.3])
+
+
+def test_turn_figures_count_from_the_models_turn_decision() -> None:
+    """The turn's latency: end of speech to the decision (the model's `speak` says it: `at -
+    end_at`), the decision to the final transcript, end of speech to the first reply audio
+    after the decision; from a realtime server, speech_stopped is the decision and
+    duplexbus's response.done usage gives the end of speech."""
+    p = GenerateWS(16000)
+    t = Timeline(opened=0.0)
+    chunk: dict[str, Any] = {"output": {"type": "audio", "audio": "AAA=", "sample_rate": 22050}}
+    steps: list[tuple[dict[str, Any], float]] = [
+        ({"output": {"type": "speak", "turn": 1, "at": 1.8, "end_at": 1.26}}, 5.0),
+        ({"output": {"type": "transcript", "text": "hi", "final": True}}, 5.15),
+        (chunk, 5.4),
+        (chunk, 5.5),
+    ]
+    for msg, at in steps:
+        for e in p.classify(json.dumps(msg)):
+            t.on_event(e, at)
+    f = figures(t)
+    assert (f.end_of_turn_s, f.transcript_s, f.first_audio_s) == pytest.approx((0.54, 0.15, 0.94))
+    assert t.listen_acks == 1  # the decision acknowledges input, as before
+    r = Realtime(24000, model="m")
+    t = Timeline(opened=0.0)
+    steps = [
+        ({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": 1800}, 5.0),
+        ({"type": "response.output_audio.delta", "delta": "AAA="}, 5.3),
+        ({"type": "response.done", "response": {"status": "completed", "usage": {"latency_ms": {"end_of_turn": 540}}}}, 6.0),
+    ]
+    for msg, at in steps:
+        for e in r.classify(json.dumps(msg)):
+            t.on_event(e, at)
+    f = figures(t)
+    assert (f.end_of_turn_s, f.transcript_s, f.first_audio_s) == pytest.approx((0.54, None, 0.84))
+    assert figures(Timeline(opened=0.0)).first_audio_s is None  # no turn decided: none
 
 
 def test_a_clip_goes_in_appends_sent_when_their_audio_has_been_recorded() -> None:

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from duplexbus.sdk import b64_pcm16
 from models.echo import FRAME
 from models.voice_assistant.realtime import VoiceAssistantRealtime
 from services.frontend.realtime import events as ev
+from services.frontend.realtime.session import TurnLatency
 from shared.sdk.realtime import ModelEvent, RealtimeMapping, ReplyAudio, ReplyEnded, ReplyStarted, SpeechStarted
 from tests.support.realtime import MANUAL_16K, audio_of, check_responses, tone
 from tests.test_realtime_pure import Harness
@@ -266,3 +268,33 @@ def test_bad_turn_detection_settings_are_invalid_value(turn_detection: dict[str,
     with pytest.raises(ev.ClientError) as e:
         ev.parse_event(json.dumps(update))
     assert e.value.code == "invalid_value" and e.value.param == f"session.audio.input.turn_detection.{param}"
+
+
+def test_each_reply_says_its_turns_latency_in_its_usage() -> None:
+    """response.done's usage.latency_ms (duplexbus's own field; the openai SDK's models take
+    it): end of speech to the turn decided (the Listener's `at - end_at`), the decision to the
+    final transcript, end of speech to the reply's first audio, on the session's clock. A
+    reply with no new turn decided before it has none."""
+    h = Harness(VoiceAssistantRealtime())
+    chunk = {"type": "audio", "turn": 1, "chunk": 0, "audio": b64_pcm16(np.full(1764, 100, np.int16)), "sample_rate": 22050}
+    turns: list[TurnLatency] = []
+    for o, now in (
+        ({"type": "listen", "turn": 1, "at": 0.5}, 9.0),
+        ({"type": "speak", "turn": 1, "at": 1.8, "speech_s": 0.76, "end_at": 1.26, "reason": "silence"}, 10.0),
+        ({"type": "transcript", "turn": 1, "text": "what time is it", "final": True}, 10.12),
+        ({"type": "reply", "turn": 1, "text": "it is noon"}, 10.2),
+        ({**chunk, "text": "it is noon"}, 10.31),
+        ({**chunk, "chunk": 1, "text": "it is noon"}, 10.4),
+        ({"type": "reply_end", "turn": 1, "audio_s": 0.16}, 11.0),
+    ):
+        out = h.s.on_output(o, now)
+        turns += out.turns  # what the frontend's histograms take
+        h.take(out)
+    done = [e for e in h.events if e["type"] == "response.done"]
+    figures = {"end_of_turn": 540, "transcript": 120, "first_audio": 850}
+    assert [d["response"]["usage"]["latency_ms"] for d in done] == [figures]
+    assert [t.figures_ms() for t in turns] == [figures]
+    for o in ({"type": "reply", "turn": 1, "text": "again"}, {**chunk, "text": "again"}, {"type": "reply_end", "turn": 1}):
+        h.take(h.s.on_output(o, 12.0))
+    done = [e for e in h.events if e["type"] == "response.done"]
+    assert len(done) == 2 and "latency_ms" not in done[-1]["response"]["usage"]

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -86,6 +87,14 @@ async def test_spoken_clip_with_server_vad(stack: Stack, clip: np.ndarray) -> No
     assert kinds.index("input_audio_buffer.speech_started") < kinds.index("input_audio_buffer.speech_stopped")
     assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
     check_reply(events, done)
+    # The turn's latency, in the usage (duplexbus's own field) and the frontend's histograms:
+    # the silence rule's 0.5 s (to the VAD's 32 ms window), then the transcript and the reply.
+    latency = done["response"]["usage"]["latency_ms"]
+    assert 500 <= latency["end_of_turn"] <= 564 and latency["transcript"] >= 0, latency
+    assert latency["first_audio"] >= latency["end_of_turn"] + latency["transcript"], latency
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"http://127.0.0.1:{stack.ports[0]}/metrics")).text
+    assert 'duplexbus_frontend_turn_seconds_count{stage="first_audio"}' in metrics
 
 
 async def test_spoken_clip_with_manual_commit(stack: Stack, clip: np.ndarray) -> None:

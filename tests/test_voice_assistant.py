@@ -312,7 +312,12 @@ def test_two_turns_get_two_replies(
     sim.open("two", call_audio(0.5, a, 1.0, b, 0.3))
     sim.run()
     assert [d["turn"] for d in sim.events("two", "listen")] == [1, 2]
-    assert [d["reason"] for d in sim.events("two", "speak")] == ["silence", "end_of_input"]
+    speaks = sim.events("two", "speak")
+    assert [d["reason"] for d in speaks] == ["silence", "end_of_input"]
+    # The end of turn's own delay (`at - end_at`): the 0.5 s of silence the rule waits, to the
+    # VAD's 32 ms window; the end of input decides at once.
+    assert 0.5 <= speaks[0]["at"] - speaks[0]["end_at"] <= 0.5 + 2 * 0.032
+    assert speaks[1]["end_at"] <= speaks[1]["at"] and 1.5 + len(a) / 16000 < speaks[1]["end_at"]
     finals = [d for d in sim.events("two", "transcript") if d["final"]]
     assert [d["turn"] for d in finals] == [1, 2]
     assert "weather" in finals[0]["text"] and "message" in finals[1]["text"]

@@ -104,6 +104,7 @@ class Kind(enum.Enum):
     REPLY_TEXT = "reply_text"
     REPLY_END = "reply_end"
     LISTEN = "listen"  # the model acknowledges input (speech started, committed, a transcript): not a reply
+    TURN_END = "turn_end"  # the model decided the caller's turn ended (speak, speech_stopped): not a reply
     TRANSCRIPT = "transcript"  # the model's transcript of the input (final): not a reply
     COMMITTED = "committed"  # the server took the end of input
     SESSION = "session"  # handshake events
@@ -125,6 +126,7 @@ class Event:
     code: str = ""  # ERROR: the server's code or status
     failed: bool = False  # REPLY_END of a response the server says failed (a model error)
     call_id: str = ""  # TERMINAL / SESSION: the server's id of the call or session
+    waited_s: float | None = None  # TURN_END, REPLY_END: end of speech to the turn decision, as the model says
 
 
 @dataclass
@@ -208,6 +210,9 @@ class Timeline:
     first_reply_at: float | None = None  # first reply activity of any kind
     last_reply_at: float | None = None
     listen_acks: int = 0
+    turn_ended_at: float | None = None  # the model decided the (first) turn ended
+    turn_waited_s: float | None = None  # end of speech to that decision, in the call's audio (the model's figure)
+    transcript_at: float | None = None  # the first final transcript
 
     def enter(self, stage: Stage, now: float) -> None:
         self.stage_started[stage.value] = now
@@ -223,8 +228,14 @@ class Timeline:
         if ev.kind is Kind.REPLY_AUDIO and ev.rate > 0:
             self.audio_at.append(now)
             self.audio_s.append(len(ev.audio) / 2 / ev.rate)
-        elif ev.kind is Kind.LISTEN:
+        elif ev.kind in (Kind.LISTEN, Kind.TURN_END):
             self.listen_acks += 1
+        if ev.kind is Kind.TURN_END and self.turn_ended_at is None:
+            self.turn_ended_at = now
+        elif ev.kind is Kind.TRANSCRIPT and self.transcript_at is None:
+            self.transcript_at = now
+        if ev.waited_s is not None and self.turn_waited_s is None:
+            self.turn_waited_s = ev.waited_s
 
 
 @dataclass(frozen=True)
@@ -236,6 +247,24 @@ class Figures:
     reply_audio_s: float
     rtf: float | None  # first -> last reply audio arrival over the reply's audio duration
     gaps_s: list[float]  # between consecutive reply audio arrivals
+    # The turn, where the model decides it (voice_assistant; server VAD): end of speech to
+    # the decision (the model's own figure), the decision to the final transcript, and end of
+    # speech to the first reply audio (the model's figure plus what the client waited after
+    # the decision; from the decision alone where the model gives no figure).
+    end_of_turn_s: float | None = None
+    transcript_s: float | None = None
+    first_audio_s: float | None = None
+
+
+def turn_figures(t: Timeline) -> tuple[float | None, float | None, float | None]:
+    """(end_of_turn_s, transcript_s, first_audio_s) of Figures."""
+    decided = t.turn_ended_at
+    if decided is None:
+        return t.turn_waited_s, None, None
+    transcript = t.transcript_at - decided if t.transcript_at is not None and t.transcript_at >= decided else None
+    after = [a for a in t.audio_at if a >= decided]
+    first = after[0] - decided + (t.turn_waited_s or 0.0) if after else None
+    return t.turn_waited_s, transcript, first
 
 
 def figures(t: Timeline) -> Figures:
@@ -246,4 +275,4 @@ def figures(t: Timeline) -> Figures:
     audio_s = sum(t.audio_s)
     rtf = (t.audio_at[-1] - t.audio_at[0]) / audio_s if len(t.audio_at) > 1 and audio_s > 0 else None
     gaps = [b - a for a, b in zip(t.audio_at, t.audio_at[1:], strict=False)]
-    return Figures(ttfa, latency, audio_s, rtf, gaps)
+    return Figures(ttfa, latency, audio_s, rtf, gaps, *turn_figures(t))

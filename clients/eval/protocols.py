@@ -127,8 +127,10 @@ class GenerateWS(Protocol):
             return Event(Kind.REPLY_TEXT, str(kind), text=str(o.get("text", o.get("delta", ""))))
         if kind == "transcript":
             return Event(Kind.TRANSCRIPT if o.get("final") else Kind.LISTEN, "transcript", text=str(o.get("text", "")))
-        if kind in ("listen", "speak"):
-            return Event(Kind.LISTEN, str(kind))
+        if kind == "speak":
+            return Event(Kind.TURN_END, "speak", waited_s=_waited(o.get("at"), o.get("end_at")))
+        if kind == "listen":
+            return Event(Kind.LISTEN, "listen")
         return Event(Kind.OTHER, str(kind or "output"))
 
 
@@ -221,7 +223,12 @@ class Realtime(Protocol):
         if kind == "response.done":
             resp = _dict(m.get("response"))
             status = str(resp.get("status", ""))
-            return [Event(Kind.REPLY_END, kind, code=status, failed=status == "failed", text=_status_reason(resp))]
+            waited = _dict(_dict(resp.get("usage")).get("latency_ms")).get("end_of_turn")  # duplexbus's own usage figure
+            waited_s = waited / 1000 if isinstance(waited, int | float) else None
+            reason = _status_reason(resp)
+            return [Event(Kind.REPLY_END, kind, code=status, failed=status == "failed", text=reason, waited_s=waited_s)]
+        if kind == "input_audio_buffer.speech_stopped":
+            return [Event(Kind.TURN_END, kind)]
         if kind == "input_audio_buffer.committed":
             return [Event(Kind.COMMITTED, kind)]
         if kind == _TRANSCRIPTION_DONE:
@@ -272,3 +279,10 @@ def make(name: str, rate: int, model: str | None = None, **realtime: Any) -> Pro
     if name == "realtime":
         return Realtime(rate, model, **realtime)
     raise ValueError(f"unknown protocol {name!r}: one of {', '.join(PROTOCOLS)}")
+
+
+def _waited(at: Any, end_at: Any) -> float | None:
+    """A `speak` output's end-of-turn delay (`at - end_at`, seconds of the call's audio)."""
+    if isinstance(at, int | float) and isinstance(end_at, int | float):
+        return max(0.0, float(at) - float(end_at))
+    return None

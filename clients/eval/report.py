@@ -45,6 +45,9 @@ def record(o: Outcome, expect_echo: bool = False) -> dict[str, Any]:
         "rtf": _r(f.rtf),
         "gap_p95_s": _r(percentile(f.gaps_s, 95)),
         "gap_max_s": _r(max(f.gaps_s) if f.gaps_s else None),
+        "end_of_turn_s": _r(f.end_of_turn_s),
+        "transcript_s": _r(f.transcript_s),
+        "first_audio_s": _r(f.first_audio_s),
         "padding_appends": t.padding_appends,
         "replied": t.first_reply_at is not None,
         "listen_acks": t.listen_acks,
@@ -99,7 +102,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     failed = Counter(f"{r['stage']}: {r['reason']}" for r in records if not r["ok"])
 
     def pct(key: str, p: float) -> float | None:
-        return _r(percentile([r[key] for r in ok if r[key] is not None], p))
+        return _r(percentile([r[key] for r in ok if r.get(key) is not None], p))
 
     gaps = [r["gap_p95_s"] for r in ok if r["gap_p95_s"] is not None]
     scored = [r for r in ok if r["wer"] is not None]  # a reference, and not an echo check
@@ -115,6 +118,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "ttfa_p95_s": pct("ttfa_s", 95),
         "reply_latency_p50_s": pct("reply_latency_s", 50),
         "reply_latency_p95_s": pct("reply_latency_s", 95),
+        "end_of_turn_p50_s": pct("end_of_turn_s", 50),
+        "transcript_p50_s": pct("transcript_s", 50),
+        "first_audio_p50_s": pct("first_audio_s", 50),
+        "first_audio_p95_s": pct("first_audio_s", 95),
         "rtf_p50": pct("rtf", 50),
         "rtf_p95": pct("rtf", 95),
         "gap_p95_s": _r(percentile(gaps, 95)),
@@ -137,6 +144,10 @@ _LABELS = [
     ("ttfa_p95_s", "time to first audio after end of input p95 (s)"),
     ("reply_latency_p50_s", "reply latency p50 (s)"),
     ("reply_latency_p95_s", "reply latency p95 (s)"),
+    ("end_of_turn_p50_s", "end of speech to the turn decided p50 (s)"),
+    ("transcript_p50_s", "turn decided to final transcript p50 (s)"),
+    ("first_audio_p50_s", "end of speech to first reply audio p50 (s)"),
+    ("first_audio_p95_s", "end of speech to first reply audio p95 (s)"),
     ("rtf_p50", "real-time factor p50"),
     ("rtf_p95", "real-time factor p95"),
     ("gap_p95_s", "gap between reply chunks p95 (s)"),

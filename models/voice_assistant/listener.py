@@ -82,8 +82,10 @@ class Listener(Partition):
     Outputs to the client:
     - `{"type": "listen", "turn": k, "at": s}`: the caller started speaking (turn k, 1-based),
       `at` = seconds into the call's audio.
-    - `{"type": "speak", "turn": k, "at": s, "speech_s": d, "reason": r}`: the caller's turn ended;
-      the model takes the floor. `reason` is "silence", "max_length" or "end_of_input".
+    - `{"type": "speak", "turn": k, "at": s, "speech_s": d, "end_at": e, "reason": r}`: the caller's
+      turn ended; the model takes the floor. `end_at`: where the speech itself ended (the
+      silence that decided the turn began there; `at - end_at` is the time the decision took,
+      in the call's audio). `reason` is "silence", "max_length" or "end_of_input".
     Edge `speech` items: PCM16 int16 audio of turn k, meta `{"turn": k, "end": bool}` (the end
     item may carry no data) plus `"reason"` and `"short"` (turn shorter than `min_turn_s`) on the end item.
     Edge `vad` items: meta `{"event": "speech_start" | "speech_end", "turn": k, "at": s}`.
@@ -239,6 +241,7 @@ class Listener(Partition):
                     "turn": st.turn,
                     "at": at,
                     "speech_s": round(speech / SAMPLE_RATE, 3),
+                    "end_at": round(end / SAMPLE_RATE, 3),
                     "reason": reason,
                 },
             )

@@ -66,7 +66,8 @@ class VoiceAssistantRealtime(RealtimeMapping):
         if kind == "listen":
             return [SpeechStarted(float(output["at"]))]
         if kind == "speak":
-            return [SpeechStopped(float(output["at"]))]
+            end = output.get("end_at")
+            return [SpeechStopped(float(output["at"]), float(end) if isinstance(end, int | float) else None)]
         if kind == "transcript":
             return [InputTranscript(str(output["text"]), bool(output["final"]))]
         if kind == "reply":

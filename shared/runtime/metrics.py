@@ -13,6 +13,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds: from sub-millisecond (a data path on one machine) to a stalled call.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A spoken turn's stages: finer where the targets are (350 ms to first audio at one caller).
+TURN_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0)
 
 
 class Metrics:
@@ -50,6 +52,14 @@ class FrontendMetrics(Metrics):
             "duplexbus_frontend_reply_lag_seconds",
             "A model output's time from the worker publishing it to the frontend handing it to the client",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.turn_seconds = Histogram(
+            "duplexbus_frontend_turn_seconds",
+            "A spoken turn over /v1/realtime, by stage: end_of_turn (end of speech to the turn decided, the model's "
+            "figure), transcript (decided to the final transcript), first_audio (end of speech to the reply's first audio)",
+            ["stage"],
+            buckets=TURN_BUCKETS,
             registry=r,
         )
         self.sockets = Gauge("duplexbus_frontend_sockets", "Client connections open now", registry=r)

@@ -27,9 +27,13 @@ class SpeechStarted:
 
 @dataclass(frozen=True)
 class SpeechStopped:
-    """The caller's turn ended at `at_s`; the model takes it as committed input (server VAD)."""
+    """The caller's turn ended at `at_s`; the model takes it as committed input (server VAD).
+    `speech_end_s`, where the model knows it: where the speech itself ended, before the
+    silence that decided the turn (`at_s - speech_end_s`: the end of turn's own delay, which
+    the session reports in each response's usage, `latency_ms`)."""
 
     at_s: float
+    speech_end_s: float | None = None
 
 
 @dataclass(frozen=True)

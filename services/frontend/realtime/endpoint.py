@@ -265,6 +265,10 @@ class LiveSession:
             if isinstance(a, Close):
                 self.close_code = (a.code, a.reason)
                 self.closed.set()
+        for turn in out.turns:
+            for stage, ms in turn.figures_ms().items():
+                if ms is not None:
+                    self.svc.metrics.turn_seconds.labels(stage).observe(ms / 1000)
 
     async def act(self, out: Out) -> None:
         """A client event's outcome: its events, then its call actions, in order."""

@@ -118,6 +118,7 @@ CallAction = SendAudio | SendText | EndCallInput | Close
 class Out:
     events: list[dict[str, Any]] = field(default_factory=list)
     actions: list[CallAction] = field(default_factory=list)
+    turns: list[TurnLatency] = field(default_factory=list)  # of the responses done (the frontend's histograms)
 
 
 @dataclass
@@ -132,6 +133,30 @@ class SessionLimits:
 
 
 @dataclass
+class TurnLatency:
+    """One turn's latency as the session sees it (its clock): the turn decided (speech_stopped),
+    its final transcript, the first audio of the reply to it; and the end of turn's own delay
+    in the call's audio (end of speech to the decision), where the model reports it."""
+
+    decided: float
+    waited_s: float | None = None
+    transcript_at: float | None = None
+    first_audio_at: float | None = None
+
+    def figures_ms(self) -> dict[str, int | None]:
+        """`end_of_turn`: end of speech to the decision; `transcript`: the decision to the final
+        transcript; `first_audio`: end of speech to the reply's first audio (from the decision
+        where the model does not report the end of speech)."""
+
+        def ms(s: float | None) -> int | None:
+            return None if s is None else round(s * 1000)
+
+        reply = None if self.first_audio_at is None else self.first_audio_at - self.decided + (self.waited_s or 0.0)
+        transcript = None if self.transcript_at is None else self.transcript_at - self.decided
+        return {"end_of_turn": ms(self.waited_s), "transcript": ms(transcript), "first_audio": ms(reply)}
+
+
+@dataclass
 class Response:
     id: str
     item_id: str
@@ -142,6 +167,7 @@ class Response:
     resampler: Resampler | None = None
     audio_samples: int = 0  # sent to the client, at the session's output rate
     transcript: list[str] = field(default_factory=list)
+    latency: TurnLatency | None = None  # of the turn it answers (server VAD), once its first audio went out
 
     def move(self, to: ResponseState) -> None:
         self.state = checked(f"response {self.id}", self.state, to, RESPONSE_MOVES)
@@ -199,6 +225,7 @@ class RealtimeSession:
         self.input_item: str | None = None  # the item input transcripts are about
         self.partial = ""  # its partial transcript so far
         self.awaiting = 0  # turns sent to the model that no reply has begun to answer yet
+        self.last_turn: TurnLatency | None = None  # the latest turn no reply has spoken to yet
         self.idle_at: float | None = None  # idle_timeout_ms: when it fires (None: not armed)
         self.idle_from = 0  # the stream position the idle span began at
         # Output.
@@ -630,6 +657,8 @@ class RealtimeSession:
             return
         item = self.speech_item or self._new_id("item")
         self.speech_item = None
+        waited = m.at_s - m.speech_end_s if m.speech_end_s is not None else None
+        self.last_turn = TurnLatency(self.now, waited)
         self.awaiting += 1
         self._arm_idle(0.0)
         self._emit("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item)
@@ -643,6 +672,8 @@ class RealtimeSession:
         if item is None:
             return
         if m.final:
+            if self.last_turn is not None and self.last_turn.transcript_at is None:
+                self.last_turn.transcript_at = self.now
             body = self.conversation.get(item)
             if body is not None and body["content"] and body["content"][0].get("type") == "input_audio":
                 body["content"][0]["transcript"] = m.text
@@ -743,6 +774,8 @@ class RealtimeSession:
                 "output_tokens": 0,
                 "audio_out_ms": self.items.get(r.item_id, 0),
             }
+            if r.latency is not None:
+                body["usage"]["latency_ms"] = r.latency.figures_ms()
         return body
 
     def _reply_audio(self, r: Response, m: ReplyAudio | None) -> None:
@@ -754,6 +787,9 @@ class RealtimeSession:
         pcm = r.resampler.push(m.pcm) if m is not None else r.resampler.flush()
         words = m.transcript if m is not None else ""
         if "audio" in r.modalities:
+            if len(pcm) and r.audio_samples == 0 and self.last_turn is not None:
+                r.latency, self.last_turn = self.last_turn, None
+                r.latency.first_audio_at = self.now
             if len(pcm):
                 r.audio_samples += len(pcm)
                 self.items[r.item_id] = r.audio_samples * 1000 // self.output_rate
@@ -790,6 +826,8 @@ class RealtimeSession:
         self._emit("conversation.item.done", previous_item_id=None, item=item)
         details = None if status == "completed" else {"type": status, "reason": reason, "error": error}
         self._emit("response.done", response=self._response_body(r, status, details))
+        if r.latency is not None:
+            self._out.turns.append(r.latency)
         # idle_timeout_ms counts from the end of the reply's playback (played in real time).
         self._arm_idle(r.audio_samples / self.output_rate)
 
