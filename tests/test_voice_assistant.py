@@ -237,6 +237,11 @@ def test_reply_wording_and_wer_helpers() -> None:
         "You said: " + " ".join(["w"] * 8),
         "w w w w.",
     ]
+    # The first piece short, up to a clause's end within 3 words (else 3 words), the rest as before.
+    assert split_pieces("You said: what time is it.", first_words=3) == ["You said:", "what time is it."]
+    assert split_pieces("Sorry, I did not catch that.", first_words=3) == ["Sorry,", "I did not catch that."]
+    assert split_pieces("one two three four five. Six.", max_words=2, first_words=3) == ["one two three", "four five.", "Six."]
+    assert split_pieces("Hi there.", first_words=3) == ["Hi there."]
     assert normalize("You said: It's ON.") == ["you", "said", "it's", "on"]
     assert word_error_rate(["a b c d"], ["a x c"]) == (0.5, 2, 4)
 
@@ -419,7 +424,7 @@ def test_talker_honours_a_longer_lead() -> None:
 
     lead = 1.0
     clock = FakeClock()
-    talker = Talker(clock=clock, lead_s=lead, synth_threads=0)
+    talker = Talker(clock=clock, lead_s=lead, synth_threads=0, first_words=None)  # one first piece, over a second long
     talker.open_call(CallInfo("lead"))
     sr, chunk = talker.sample_rate, talker.chunk
     text = "please call my mother tomorrow morning and tell her i will be late"
@@ -448,6 +453,19 @@ def test_talker_honours_a_longer_lead() -> None:
     held = barge["sent_s"] - barge["played_s"]
     assert 0.2 < held <= lead + 1e-6, barge  # more than the default lead would have left to cut
     assert talker.close_call("lead")["barge_ins"] == 1
+
+
+def test_talker_speaks_a_short_first_piece_first() -> None:
+    """The reply's first audio waits on "You said:" alone (piper: about a third of the whole
+    sentence's synthesis); the rest follows as it plays, and the words run on as one text."""
+    from models.voice_assistant.talker import Talker
+
+    talker = Talker(clock=FakeClock(), synth_threads=0)
+    talker.open_call(CallInfo("c"))
+    said = {"transcript": Chunk([Item(None, {"turn": 1, "text": "what time is it", "short": False})], 0)}
+    first = [e.data for e in talker.step([StepInput("c", said)]) if isinstance(e, Output) and e.data["type"] == "audio"]
+    assert first and {a["text"] for a in first} == {"You said:"}
+    assert [r.pieces for r in [talker._calls["c"].reply] if r is not None] == [["You said:", "what time is it."]]
 
 
 def test_talker_lead_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,8 @@ default (`noise_scale=0`, `noise_w_scale=0`: the voice's random noise is off; pa
 None for the voice's own values, which sound a little livelier but vary per run).
 
 A reply (see `text.reply_text`) is cut into pieces (sentences, at most `max_words`
-words each) and synthesized piece by piece, one piece ahead while less than
+words each; the first piece at most `first_words`, up to a clause's end: "You said:", so
+that the first audio waits on a short synthesis) and synthesized piece by piece, one piece ahead while less than
 `synth_ahead_s` of unsent audio is buffered. With `synth_threads >= 1` (default) the
 pieces are synthesized on a background thread (onnxruntime releases the GIL), so a
 step never waits for synthesis; with `synth_threads=0` a step synthesizes at most
@@ -102,6 +103,7 @@ class Talker(Partition):
         lead_s: float = LEAD_S,
         chunk_s: float = CHUNK_S,
         max_words: int = 10,
+        first_words: int | None = 3,
         synth_ahead_s: float = 1.5,
         synth_threads: int = 1,
         inline_per_step: int = 1,
@@ -120,6 +122,7 @@ class Talker(Partition):
         self.lead_s = lead_s
         self.chunk = max(1, round(chunk_s * self.sample_rate))
         self.max_words = max_words
+        self.first_words = first_words  # the first piece's words at most (text.split_pieces): first audio sooner
         self.ahead = round(synth_ahead_s * self.sample_rate)
         self.inline_per_step = max(1, inline_per_step)
         self._pool = ThreadPoolExecutor(synth_threads, thread_name_prefix="talker-tts") if synth_threads > 0 else None
@@ -218,7 +221,7 @@ class Talker(Partition):
             return
         self._barge_in(cid, st, turn, now, out)
         reply = reply_text(text)
-        st.reply = _Reply(turn, split_pieces(reply, self.max_words))
+        st.reply = _Reply(turn, split_pieces(reply, self.max_words, self.first_words))
         st.replies += 1
         out.append(Output(cid, {"type": "reply", "turn": turn, "text": reply}))
 

@@ -28,12 +28,21 @@ def reply_text(transcript: str) -> str:
     return f"You said: {words}."
 
 
-def split_pieces(text: str, max_words: int = 10) -> list[str]:
-    """Sentences of `text`, each cut into pieces of at most `max_words` words (synthesis units)."""
+def split_pieces(text: str, max_words: int = 10, first_words: int | None = None) -> list[str]:
+    """Sentences of `text`, each cut into pieces of at most `max_words` words (synthesis units).
+    With `first_words`, the first piece is shorter: up to the first word that ends a clause
+    (`,` `:` `;`) within `first_words` words, else `first_words` words. The reply's first audio
+    waits on the first piece's synthesis alone ("You said:" takes piper a third of the time
+    of the whole sentence), and the rest is synthesized while it plays."""
     pieces: list[str] = []
     for sentence in re.split(r"(?<=[.!?])\s+", text.strip()):
         words = sentence.split()
-        for i in range(0, len(words), max_words):
+        start = 0
+        if first_words is not None and not pieces and len(words) > first_words:
+            ends = [i + 1 for i, w in enumerate(words[:first_words]) if w[-1] in ",:;"]
+            start = ends[0] if ends else first_words
+            pieces.append(" ".join(words[:start]))
+        for i in range(start, len(words), max_words):
             pieces.append(" ".join(words[i : i + max_words]))
     return [p for p in pieces if p]
 
