@@ -29,10 +29,15 @@ class Heard:
 
     def __init__(self) -> None:
         self.clips: list[int] = []
+        self.batches: list[int] = []  # clips per transcribe_many (the step's finals)
 
     def transcribe(self, pcm: np.ndarray) -> str:
         self.clips.append(len(pcm))
         return f"heard {len(self.clips)}"
+
+    def transcribe_many(self, pcms: list[np.ndarray]) -> list[str]:
+        self.batches.append(len(pcms))
+        return [self.transcribe(p) for p in pcms]
 
 
 def recognizer() -> tuple[WhisperRecognizer, Heard]:
@@ -111,6 +116,26 @@ def test_a_step_makes_one_partial_decode_the_finals_first_and_the_partials_take_
     assert [o.cid for o in out if isinstance(o, Output)] == ["b", "c"] and heard.clips[2:] == [7 * STEP, 7 * STEP]
 
 
+def test_the_finals_of_a_step_are_decoded_in_one_batch_each_in_its_place() -> None:
+    """Turns of three calls ending in one step: one batch of three clips (Whisper decodes them
+    in about 0.7 of the time one by one, tests/test_models_whisper.py's corpus test), each final
+    where its call's turn ended and with that turn's number; a call whose next turn starts in
+    the same step keeps that turn's audio."""
+    r, heard = recognizer()
+    for cid in "abc":
+        r.open_call(CallInfo(cid))
+    r.step([speech(cid, 20 * STEP) for cid in "abc"])  # fed fast: no partials
+    tone = np.full(STEP, 100, dtype=np.int16)
+    c_items = [*speech("c", 20 * STEP, end=True).chunks["speech"].items, Item(tone, {"turn": 2, "end": False})]
+    out = r.step([speech("a", STEP, end=True), speech("b", 0, end=True), StepInput("c", {"speech": Chunk(c_items, 0)})])
+    assert heard.batches == [3] and heard.clips == [21 * STEP, 20 * STEP, 40 * STEP]
+    finals = [(o.cid, o.data["turn"], o.data["text"]) for o in out if isinstance(o, Output)]
+    assert finals == [("a", 1, "heard 1"), ("b", 1, "heard 2"), ("c", 1, "heard 3")]
+    assert [(e.cid, e.item.meta["turn"], e.item.meta["text"]) for e in out if isinstance(e, EdgeItem)] == finals
+    out = r.step([speech("c", 0, turn=2, end=True)])
+    assert heard.clips[-1] == STEP and texts(out) == [("final", "heard 4"), ("edge", "heard 4")]
+
+
 def test_a_decode_that_fails_ends_the_turn_empty_and_the_next_turn_is_heard() -> None:
     r, heard = recognizer()
     r.open_call(CallInfo("c"))
@@ -170,3 +195,6 @@ def test_tiny_en_hears_the_synthesized_corpus() -> None:
     print(f"WER {wer:.3f}; decode ms median {1000 * float(np.median(took)):.0f}, max {1000 * max(took):.0f}: {said}")
     assert wer <= WER_BOUND, list(zip(SAMPLE_SENTENCES, said, strict=True))
     assert engine.transcribe(np.zeros(RATE, dtype=np.int16)) == ""  # a silent turn reads as empty
+    # In one batch (a step's finals), with a long turn in the full window among them: the same words.
+    long_turn = np.concatenate([clips[0], np.zeros(3 * RATE, dtype=np.int16), clips[1], clips[2]])
+    assert engine.transcribe_many([*clips, long_turn]) == [*said, engine.transcribe(long_turn)]

@@ -64,6 +64,25 @@ class _CallState:
     heard: int = 0  # samples of the open turn so far (engines that decode it whole)
 
 
+@dataclass(frozen=True)
+class Later:
+    """What `_end` returns for a final the engine decodes with the step's other finals, in one
+    batch (`_decode_finals`): the turn's audio, taken at its end."""
+
+    clip: np.ndarray
+
+
+@dataclass(eq=False)  # found in the call's list by identity (its clip is an array)
+class _Final:
+    """A final transcript still to be decoded, where its emissions go in the call's list."""
+
+    cid: str
+    st: _CallState
+    turn: int
+    short: bool
+    clip: np.ndarray
+
+
 class TurnRecognizer(Partition):
     """What every recognizer of the voice assistant does with the `speech` edge, whatever
     engine hears it: a turn is the items of one `turn` number, up to its `end` item; each turn
@@ -72,7 +91,8 @@ class TurnRecognizer(Partition):
     when decoding fails (the turn then ends empty, and the call's engine state is dropped).
 
     An engine implements the hooks: `_begin` (a turn starts), `_feed` (its audio), `_hypothesis`
-    (the partial text now, or None when none is due), `_end` (the final text) and `_release`
+    (the partial text now, or None when none is due), `_end` (the final text, or `Later(clip)`:
+    decoded with the step's other finals in one batch by `_decode_finals`) and `_release`
     (the call's engine state goes, at a close or after a fault)."""
 
     # Partial decodes a step may make (None: one for each call with an open turn); the hook
@@ -97,7 +117,13 @@ class TurnRecognizer(Partition):
     def _hypothesis(self, st: _CallState) -> str | None: ...
 
     @abstractmethod
-    def _end(self, st: _CallState) -> str: ...
+    def _end(self, st: _CallState) -> str | Later:
+        """The turn's final text, or `Later(clip)` for one decoded with the step's others."""
+        ...
+
+    def _decode_finals(self, clips: list[np.ndarray]) -> list[str]:
+        """The finals `_end` left for later, in one batch (engines that return `Later`)."""
+        raise NotImplementedError(f"{type(self).__name__}._end returned Later without _decode_finals")
 
     @abstractmethod
     def _release(self, st: _CallState, reuse: bool) -> None:
@@ -122,7 +148,7 @@ class TurnRecognizer(Partition):
         at most `partial_budget` of them, the calls whose last partial heard least first, so a
         step of many calls that each decode their whole turn (Whisper) does not hold up the
         finals of the next one behind a partial decode of each call."""
-        mine: dict[str, list[Emission]] = {}
+        mine: dict[str, list[Emission | _Final]] = {}
         open_turns: list[tuple[str, _CallState]] = []
         for s in batch:
             st = self._calls.get(s.cid)
@@ -141,6 +167,7 @@ class TurnRecognizer(Partition):
             except Exception:  # one call's bad input or decoder fault stays with that call (I-4)
                 log.exception("recognizer: call %s: decoding failed; its turn ends empty", s.cid)
                 self._reset(s.cid, st, emitted)
+        self._decode_later(mine)
         budget = self.partial_budget
         if budget is not None:
             open_turns.sort(key=lambda c: self._behind(c[1]), reverse=True)
@@ -153,15 +180,34 @@ class TurnRecognizer(Partition):
             except Exception:
                 log.exception("recognizer: call %s: decoding failed; its turn ends empty", cid)
                 self._reset(cid, st, mine[cid])
-        return [e for emitted in mine.values() for e in emitted]
+        return [e for emitted in mine.values() for e in emitted if not isinstance(e, _Final)]
 
-    def _reset(self, cid: str, st: _CallState, out: list[Emission]) -> None:
+    def _decode_later(self, mine: dict[str, list[Emission | _Final]]) -> None:
+        """The step's deferred finals decoded in one batch, each put where its turn ended. A
+        batch that fails ends each of those turns empty and drops its calls' engine state."""
+        later = [e for emitted in mine.values() for e in emitted if isinstance(e, _Final)]
+        if not later:
+            return
+        try:
+            texts = self._decode_finals([f.clip for f in later])
+        except Exception:
+            log.exception("recognizer: decoding %d final transcripts failed; their turns end empty", len(later))
+            texts = [""] * len(later)
+            for f in later:
+                self._release(f.st, reuse=False)
+        for f, text in zip(later, texts, strict=True):
+            emitted = mine[f.cid]
+            at = emitted.index(f)
+            emitted[at : at + 1] = self._final_emissions(f.cid, f.turn, text, f.short)
+
+    def _reset(self, cid: str, st: _CallState, out: list[Emission | _Final]) -> None:
         """Throw the call's engine state away and end its open turn empty."""
         self._release(st, reuse=False)
         if st.in_utt:
-            self._emit_final(cid, st, "", short=False, out=out)
+            self._close(st)
+            out.extend(self._final_emissions(cid, st.turn, "", short=False))
 
-    def _item(self, cid: str, st: _CallState, item: Item, out: list[Emission]) -> None:
+    def _item(self, cid: str, st: _CallState, item: Item, out: list[Emission | _Final]) -> None:
         meta = item.meta
         turn = int(meta.get("turn", 0))
         if st.in_utt and turn != st.turn:
@@ -183,7 +229,7 @@ class TurnRecognizer(Partition):
         if meta.get("end"):
             self._finish(cid, st, short=bool(meta.get("short", False)), out=out)
 
-    def _partial(self, cid: str, st: _CallState, out: list[Emission]) -> bool:
+    def _partial(self, cid: str, st: _CallState, out: list[Emission | _Final]) -> bool:
         """The call's partial transcript, where one is due; whether one was decoded."""
         text = self._hypothesis(st)
         if text is None:
@@ -194,16 +240,27 @@ class TurnRecognizer(Partition):
             out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": False}))
         return True
 
-    def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission]) -> None:
-        self._emit_final(cid, st, self._end(st), short=short, out=out)
+    def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission | _Final]) -> None:
+        """Close the open turn: its final now, or in the step's batch (`Later`)."""
+        text = self._end(st)
+        self._close(st)
+        if isinstance(text, Later):
+            out.append(_Final(cid, st, st.turn, short, text.clip))
+        else:
+            out.extend(self._final_emissions(cid, st.turn, text, short))
 
     @staticmethod
-    def _emit_final(cid: str, st: _CallState, text: str, short: bool, out: list[Emission]) -> None:
-        """Close the open turn: the final transcript to the client and on the `transcript` edge."""
+    def _close(st: _CallState) -> None:
         st.in_utt = False
         st.turns = max(st.turns, st.turn)
-        out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": True}))
-        out.append(EdgeItem(cid, "transcript", Item(None, {"turn": st.turn, "text": text, "short": short})))
+
+    @staticmethod
+    def _final_emissions(cid: str, turn: int, text: str, short: bool) -> list[Emission]:
+        """The final transcript to the client and on the `transcript` edge."""
+        return [
+            Output(cid, {"type": "transcript", "turn": turn, "text": text, "final": True}),
+            EdgeItem(cid, "transcript", Item(None, {"turn": turn, "text": text, "short": short})),
+        ]
 
 
 class Recognizer(TurnRecognizer):
