@@ -88,24 +88,11 @@ class SmartTurn:
         return [float(p) for p in np.asarray(out).reshape(-1)]
 
 
-def cut_points(clip: np.ndarray, frame: int = 160) -> list[int]:
-    """Sample positions of the quietest 10 ms in each of three spans of the clip's speech."""
-    n = len(clip) // frame * frame
-    energy = np.sqrt(np.mean(clip[:n].astype(np.float32).reshape(-1, frame) ** 2, axis=1))
-    loud = np.flatnonzero(energy > 0.05 * energy.max())
-    a, b = int(loud[0]), int(loud[-1])
-    points = []
-    for lo, hi in ((0.25, 0.45), (0.45, 0.6), (0.6, 0.8)):
-        i0, i1 = a + int(lo * (b - a)), a + int(hi * (b - a))
-        points.append((i0 + int(np.argmin(energy[i0:i1]))) * frame)
-    return points
-
-
 def main() -> None:
     import time
 
     from bench.machine import machine
-    from models.voice_assistant.clips import piper_clips
+    from models.voice_assistant.clips import mid_sentence_cuts, piper_clips
     from models.voice_assistant.text import SAMPLE_SENTENCES
 
     print(f"machine: {machine()}")
@@ -113,7 +100,7 @@ def main() -> None:
     clips = piper_clips(SAMPLE_SENTENCES, SAMPLE_RATE)
     asked = np.zeros(int(0.2 * SAMPLE_RATE), dtype=np.int16)
     complete = [np.concatenate([c, asked]) for c in clips]
-    cuts = [np.concatenate([c[:p], asked]) for c in clips for p in cut_points(c)]
+    cuts = [np.concatenate([c[:p], asked]) for c in clips for p in mid_sentence_cuts(c)]
     detector.finished(complete[:1])  # the session's first run is slower
     start = time.perf_counter()
     p_complete = [detector.finished([c])[0] for c in complete]
