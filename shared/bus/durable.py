@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # slowly during an election must not keep the conductor from reading).
 LOOK_TIMEOUT_S = 1.0
 RESET_RETRY_S = 2.0
+RESET_EVERY_S = 5.0
 RESET_REFUSED_PAUSE_S = 30.0  # a server that refused a reset (older than 2.14, say) is not asked again sooner
 
 
@@ -34,7 +35,7 @@ class Durable:
         self._denials = denials
         self.deliveries = Deliveries()
         self.resets = 0  # times deliveries were found lost and the consumer reset
-        self._refused_until = 0.0
+        self._refused_until = 0.0  # no reset is asked for before this (time.monotonic)
 
     async def fetch(self, batch: int, timeout: float) -> list[BusMsg]:
         """Up to `batch` messages; [] when none came within `timeout` (and then the server's
@@ -63,9 +64,9 @@ class Durable:
             await self._reset()
 
     async def _reset(self) -> None:
-        """Every unacknowledged message sent again now (ADR-60's consumer reset): those lost on
-        their way, and those this client holds (handled twice: the conductor's core takes a
-        message again as it does after a restart)."""
+        """Every message above the ack floor sent again now (ADR-60's consumer reset): those
+        lost on their way, and those this client holds or acknowledged above the floor (handled
+        twice: the conductor's core takes a message again as it does after a restart)."""
         if time.monotonic() < self._refused_until:
             return
         try:
@@ -78,4 +79,7 @@ class Durable:
             return
         self.deliveries.reset()
         self.resets += 1
+        # At most one reset every RESET_EVERY_S: a second client pulling from the consumer (a
+        # second conductor, which a deployment should not run) makes every fetch look lossy.
+        self._refused_until = time.monotonic() + RESET_EVERY_S
         log.warning("consumer %s lost deliveries on their way: reset, its unacknowledged messages come again now", self.name)
