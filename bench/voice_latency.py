@@ -314,6 +314,7 @@ async def main() -> None:
     ap.add_argument(
         "--aligned", type=int, default=8, help="then this many calls started 0.1 s apart, turns ending together (0: skip)"
     )
+    ap.add_argument("--workers", type=int, default=1, help="worker processes per partition (`duplexbus up --workers`)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--no-doc", action="store_true", help=f"do not write {DOC.name}")
     args = ap.parse_args()
@@ -322,7 +323,7 @@ async def main() -> None:
     print(f"machine: {machine()}")
     speech = clips()
     results = []
-    with UpStack("voice_assistant", config={"max_concurrent_requests": max(args.calls) + 8}) as stack:
+    with UpStack("voice_assistant", workers=args.workers, config={"max_concurrent_requests": max(args.calls) + 8}) as stack:
         watch = CpuWatch(stack)
         n = max(args.calls)
         warm_jobs = []
