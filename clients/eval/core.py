@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.runtime.states import checked
+from shared.runtime.stats import turn_latency
 
 
 class Stage(enum.Enum):
@@ -261,10 +262,8 @@ def turn_figures(t: Timeline) -> tuple[float | None, float | None, float | None]
     decided = t.turn_ended_at
     if decided is None:
         return t.turn_waited_s, None, None
-    transcript = t.transcript_at - decided if t.transcript_at is not None and t.transcript_at >= decided else None
-    after = [a for a in t.audio_at if a >= decided]
-    first = after[0] - decided + (t.turn_waited_s or 0.0) if after else None
-    return t.turn_waited_s, transcript, first
+    first_audio = next((a for a in t.audio_at if a >= decided), None)
+    return turn_latency(decided, t.turn_waited_s, t.transcript_at, first_audio)
 
 
 def figures(t: Timeline) -> Figures:

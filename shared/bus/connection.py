@@ -585,7 +585,7 @@ class BusConnection:
                 led = False  # the consumer answered a pull once: it has its leader
                 while pending > 0:
                     try:
-                        msgs = await self._pull(sub, min(pending, batch), doing, waited_s=0.0 if led else None)
+                        msgs = await self._pull(sub, min(pending, batch), doing, leaderless_wait=not led)
                     except BusTimeout:
                         return
                     led = True
@@ -605,13 +605,13 @@ class BusConnection:
             except BusError as e:  # it is ephemeral: the server removes it after inactive_threshold
                 log.debug("deleting a read's consumer: %s", e)
 
-    async def _pull(self, sub: JetStreamContext.PullSubscription, n: int, doing: str, waited_s: float | None) -> list[Msg]:
+    async def _pull(self, sub: JetStreamContext.PullSubscription, n: int, doing: str, leaderless_wait: bool) -> list[Msg]:
         """A read's fetch. A consumer just made on a cluster takes no pull until its leader is
         elected: the server answers no responders (503) for a moment after the create was
-        answered (1 read in 40 here, on an idle machine). Such a pull is asked again for up
-        to LEADERLESS_WAIT_S while connected; `waited_s=0.0` (a consumer that answered once)
-        asks it once."""
-        deadline = time.monotonic() + (LEADERLESS_WAIT_S if waited_s is None else waited_s)
+        answered (1 read in 40 here, on an idle machine). With `leaderless_wait` (a consumer
+        that has not answered yet) such a pull is asked again for up to LEADERLESS_WAIT_S while
+        connected; without it, once."""
+        deadline = time.monotonic() + (LEADERLESS_WAIT_S if leaderless_wait else 0.0)
         while True:
             try:
                 with mapped(doing, self._denials):

@@ -42,7 +42,7 @@ class Durable:
         count of deliveries is looked at: a lost one at the tail leaves no gap)."""
         try:
             with mapped(f"fetching from consumer {self.name}", self._denials):
-                msgs = list(await self._sub.fetch(batch, timeout=timeout))
+                msgs = await self._sub.fetch(batch, timeout=timeout)
         except BusTimeout:
             await self._look()
             return []
@@ -50,7 +50,7 @@ class Durable:
             self.deliveries.received(m.metadata.sequence.consumer)
         if self.deliveries.gap:
             await self._reset()
-        return list(msgs)
+        return list(msgs)  # nats-py's Msg is a BusMsg; the list is the caller's
 
     async def _look(self) -> None:
         try:

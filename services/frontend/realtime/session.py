@@ -31,6 +31,7 @@ import numpy as np
 from services.frontend.realtime import events as ev
 from shared.bus import subjects, wire
 from shared.runtime.states import checked
+from shared.runtime.stats import turn_latency
 from shared.sdk.audio import Resampler, b64_pcm16, resample_pcm16
 from shared.sdk.realtime import (
     InputTranscript,
@@ -132,6 +133,9 @@ class SessionLimits:
     has_text: bool = False  # the model has a text stream
 
 
+TURN_STAGES = ("end_of_turn", "transcript", "first_audio")  # usage.latency_ms's keys, in turn_latency's order
+
+
 @dataclass
 class TurnLatency:
     """One turn's latency as the session sees it (its clock): the turn decided (speech_stopped),
@@ -148,12 +152,8 @@ class TurnLatency:
         transcript; `first_audio`: end of speech to the reply's first audio (from the decision
         where the model does not report the end of speech)."""
 
-        def ms(s: float | None) -> int | None:
-            return None if s is None else round(s * 1000)
-
-        reply = None if self.first_audio_at is None else self.first_audio_at - self.decided + (self.waited_s or 0.0)
-        transcript = None if self.transcript_at is None else self.transcript_at - self.decided
-        return {"end_of_turn": ms(self.waited_s), "transcript": ms(transcript), "first_audio": ms(reply)}
+        figures = turn_latency(self.decided, self.waited_s, self.transcript_at, self.first_audio_at)
+        return {k: None if s is None else round(s * 1000) for k, s in zip(TURN_STAGES, figures, strict=True)}
 
 
 @dataclass
