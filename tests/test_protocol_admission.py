@@ -4,7 +4,6 @@ in JetStream, and a closed socket's calls free their slots."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +18,7 @@ from services.conductor import core
 from shared.bus import subjects, wire
 from shared.runtime.config import parse_config
 from tests.support.audio import echo_bytes, pcm_file
-from tests.support.bus import call_records
+from tests.support.bus import call_records, until_call_records
 from tests.support.client import WS, nothing_for
 from tests.support.stack import Stack, running_stack
 
@@ -34,22 +33,20 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
         yield s
 
 
+def _by_rid(records: dict[str, wire.CallRecord]) -> dict[str, wire.CallRecord]:
+    return {r.request_id: r for r in records.values()}
+
+
 async def records_by_rid(nats_url: str) -> dict[str, wire.CallRecord]:
     """The conductor's call records by request_id; the listing is tried once, as these tests also wait for an empty bucket."""
-    return {r.request_id: r for r in (await call_records(nats_url, tries=1)).values()}
+    return _by_rid(await call_records(nats_url, tries=1))
 
 
 async def until_records(
     nats_url: str, pred: Callable[[dict[str, wire.CallRecord]], bool], timeout: float = 10.0
 ) -> dict[str, wire.CallRecord]:
-    deadline = time.monotonic() + timeout
-    while True:
-        by_rid = await records_by_rid(nats_url)
-        if pred(by_rid):
-            return by_rid
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"call records: {[(r.request_id, r.state) for r in by_rid.values()]}")
-        await asyncio.sleep(0.05)
+    """The call records by request_id once `pred` holds of them."""
+    return _by_rid(await until_call_records(nats_url, lambda rs: pred(_by_rid(rs)), timeout))
 
 
 @pytest.fixture

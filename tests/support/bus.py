@@ -9,7 +9,7 @@ import contextlib
 import json
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import nats
@@ -85,6 +85,22 @@ async def call_records(nats_url: str, tries: int = 20) -> dict[str, wire.CallRec
                 r = wire.decode_as(e.value, wire.CallRecord)
                 out[r.cid] = r
         return out
+
+
+async def until_call_records(
+    nats_url: str, pred: Callable[[dict[str, wire.CallRecord]], bool], timeout: float = 10.0
+) -> dict[str, wire.CallRecord]:
+    """The call records (by call id) once `pred` holds of them. A call's record is deleted in
+    a write of its own beside its fin, so a client that has its fin can still list the record
+    for a moment: a test that wants it gone waits here."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = await call_records(nats_url, tries=1)
+        if pred(records):
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"call records: {[(r.request_id, r.state) for r in records.values()]}")
+        await asyncio.sleep(0.05)
 
 
 async def delivered(nats_url: str) -> int:
