@@ -81,7 +81,10 @@ async def test_a_read_up_to_a_stored_sequence_merges_its_filters_in_order_withou
         # Unbounded, the same read goes on past the barrier, through a consumer.
         async with consumer_requests(nats_url) as requests:
             assert [body async for _, body, _ in conn.read_stored(filters, after=seqs[-1])] == [b"after the barrier"]
-        assert any(".CREATE." in r for r in requests), requests
+        # Any consumer request shows it (the create, its pulls, its delete): in about one run
+        # in five beside other modules the watcher saw the pulls and the delete but not the
+        # create, which the read made all the same (it read the message).
+        assert any(r.startswith("$JS.API.CONSUMER.") for r in requests), requests
 
 
 async def test_a_read_whose_consumer_has_no_leader_yet_asks_again(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
