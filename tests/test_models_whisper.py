@@ -136,6 +136,80 @@ def test_the_finals_of_a_step_are_decoded_in_one_batch_each_in_its_place() -> No
     assert heard.clips[-1] == STEP and texts(out) == [("final", "heard 4"), ("edge", "heard 4")]
 
 
+def paused(cid: str, n: int, turn: int = 1) -> StepInput:
+    """A step of `n` samples whose item says the caller paused (the Listener's `pause`)."""
+    return StepInput(
+        cid, {"speech": Chunk([Item(np.full(n, 100, dtype=np.int16), {"turn": turn, "end": False, "pause": True})], 0)}
+    )
+
+
+def ended(cid: str, since_pause: bool, turn: int = 1) -> StepInput:
+    """The turn's end item, after one more step of (silent) audio."""
+    items = [Item(np.zeros(STEP, dtype=np.int16), {"turn": turn, "end": False})]
+    items.append(Item(None, {"turn": turn, "end": True, "short": False, "since_pause": since_pause}))
+    return StepInput(cid, {"speech": Chunk(items, 0)})
+
+
+def test_a_turn_that_ends_in_its_pause_has_the_pause_decode_for_its_final_with_no_decode_at_its_end() -> None:
+    """Issue 22's final transcript ready as the turn ends: the calls that paused in a step are
+    decoded in one batch then (a partial), and a turn that ends in that pause's silence takes
+    that text for its final: no decode after the end. Before, its final was decoded after the
+    end item came (about 0.1 s at one call here)."""
+    r, heard = recognizer()
+    for cid in "ab":
+        r.open_call(CallInfo(cid))
+    for _ in range(3):
+        r.step([speech(cid, STEP) for cid in "ab"])
+    out = r.step([paused("a", STEP), paused("b", STEP)])
+    assert heard.batches == [2] and heard.clips == [4 * STEP, 4 * STEP]  # both turns so far, one batch
+    assert texts(out) == [("partial", "heard 1"), ("partial", "heard 2")]
+    out = r.step([speech("a", STEP), speech("b", STEP)])  # the silence goes on: nothing due
+    assert len(heard.clips) == 2 and texts(out) == []
+    out = r.step([ended("a", since_pause=True), ended("b", since_pause=True)])
+    assert len(heard.clips) == 2  # no decode at the end
+    assert texts(out) == [("final", "heard 1"), ("edge", "heard 1"), ("final", "heard 2"), ("edge", "heard 2")]
+    assert r.close_call("a")["partials"] == 1
+
+
+def test_a_caller_who_speaks_on_after_a_pause_gets_a_final_of_the_whole_turn() -> None:
+    """The Listener's end item says whether the turn ended in the pause's silence; where the
+    caller spoke again (`since_pause` false), the pause's text is not the final: the whole turn is
+    decoded, and the next turn starts with no text of its own."""
+    r, heard = recognizer()
+    r.open_call(CallInfo("c"))
+    r.step([speech("c", STEP)])
+    r.step([paused("c", STEP)])
+    r.step([speech("c", 2 * STEP)])
+    out = r.step([ended("c", since_pause=False)])
+    assert heard.clips == [2 * STEP, 5 * STEP] and texts(out) == [("final", "heard 2"), ("edge", "heard 2")]
+    r.step([paused("c", STEP, turn=2)])
+    out = r.step([ended("c", since_pause=True, turn=2)])
+    assert heard.clips[-1] == STEP and texts(out) == [("final", "heard 3"), ("edge", "heard 3")]
+
+
+def test_a_pause_of_a_call_fed_faster_than_real_time_is_not_decoded() -> None:
+    r, heard = recognizer()
+    r.open_call(CallInfo("fast"))
+    r.step([paused("fast", 20 * STEP)])
+    assert heard.clips == []
+    out = r.step([ended("fast", since_pause=True)])
+    assert heard.clips == [21 * STEP] and texts(out) == [("final", "heard 1"), ("edge", "heard 1")]
+
+
+def test_a_pause_decode_that_fails_leaves_the_turn_to_its_final() -> None:
+    r, heard = recognizer()
+    r.open_call(CallInfo("c"))
+
+    def broken(pcms: list[np.ndarray]) -> list[str]:
+        raise RuntimeError("decoder fault")
+
+    heard.transcribe_many = broken  # type: ignore[method-assign]
+    assert texts(r.step([paused("c", STEP)])) == []
+    heard.transcribe_many = Heard.transcribe_many.__get__(heard)  # type: ignore[method-assign]
+    out = r.step([ended("c", since_pause=True)])
+    assert heard.clips == [2 * STEP] and texts(out) == [("final", "heard 1"), ("edge", "heard 1")]
+
+
 def test_a_decode_that_fails_ends_the_turn_empty_and_the_next_turn_is_heard() -> None:
     r, heard = recognizer()
     r.open_call(CallInfo("c"))

@@ -335,6 +335,37 @@ def test_a_400_ms_pause_mid_sentence_is_not_the_end_of_the_turn(parts: dict[str,
     assert all(s[0]["reason"] == "silence" and s[0]["at"] > len(calls[cid]) / SAMPLE_RATE - 1.0 for cid, s in speaks.items())
 
 
+def _speech_items(listener: Any, cid: str, audio: np.ndarray) -> list[dict[str, Any]]:
+    """The `speech` items' meta of one call streamed through the Listener a frame a step."""
+    listener.open_call(CallInfo(cid))
+    metas = []
+    for at in range(0, len(audio), FRAME):
+        for e in listener.step([StepInput(cid, {"audio_in": Chunk([Item(audio[at : at + FRAME], {})], 0)})]):
+            if isinstance(e, EdgeItem) and e.edge == "speech":
+                metas.append(e.item.meta)
+    listener.close_call(cid)
+    return metas
+
+
+def test_the_listener_says_once_per_silence_that_the_caller_paused(parts: dict[str, Any], speech: dict[str, np.ndarray]) -> None:
+    """0.2 s into a silence inside a turn, a `speech` item says `pause` (the Recognizer decodes
+    the turn so far then), once per silence; the end item says whether the turn ended in the
+    silence of the last pause. A sentence with a 400 ms pause inside: two pauses, one turn,
+    ended in the second pause's silence. Without `pause_s`, none."""
+    s = WER_SENTENCES[0]
+    cut = mid_sentence_cuts(speech[s])[1]
+    metas = _speech_items(parts["Listener"], "paused", call_audio(0.5, speech[s][:cut], 0.4, speech[s][cut:], 1.0))
+    assert [m.get("pause", False) for m in metas].count(True) == 2
+    assert [m["end"] for m in metas].count(True) == 1 and metas[-1]["end"] and metas[-1]["since_pause"] is True
+    first_pause = next(i for i, m in enumerate(metas) if m.get("pause"))
+    assert not any(m.get("pause") for m in metas[first_pause + 1 : first_pause + 3])  # not again in the same silence
+    from models.voice_assistant.listener import Listener
+
+    plain = Listener(pause_s=None)
+    metas = _speech_items(plain, "plain", call_audio(0.5, speech[s], 1.0))
+    assert not any(m.get("pause") for m in metas) and metas[-1]["since_pause"] is False
+
+
 def test_two_turns_get_two_replies(
     model: VoiceAssistantModel, parts: dict[str, Any], clock: FakeClock, speech: dict[str, np.ndarray]
 ) -> None:
@@ -493,6 +524,43 @@ def test_talker_speaks_a_short_first_piece_first() -> None:
     first = [e.data for e in talker.step([StepInput("c", said)]) if isinstance(e, Output) and e.data["type"] == "audio"]
     assert first and {a["text"] for a in first} == {"You said:"}
     assert [r.pieces for r in [talker._calls["c"].reply] if r is not None] == [["You said:", "what time is it."]]
+
+
+def test_talker_says_a_piece_said_before_without_synthesizing_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reply starts "You said:": with the noise off (the default) its audio is kept, so the
+    next reply's first audio goes out in the step that has its transcript, with no synthesis
+    (on a thread, the first audio waited a step or more for it), and sounds the same. With the
+    voice's noise on, nothing is kept."""
+    from models.voice_assistant.talker import Talker
+
+    def first_audio(talker: Talker, cid: str, text: str) -> list[dict[str, Any]]:
+        talker.open_call(CallInfo(cid))
+        said = {"transcript": Chunk([Item(None, {"turn": 1, "text": text, "short": False})], 0)}
+        return [e.data for e in talker.step([StepInput(cid, said)]) if isinstance(e, Output) and e.data["type"] == "audio"]
+
+    talker = Talker(clock=FakeClock())  # synthesis on a thread, as served
+    synthesized: list[str] = []
+    real = talker.synthesize
+
+    def synthesize(text: str) -> np.ndarray:
+        synthesized.append(text)
+        return real(text)
+
+    monkeypatch.setattr(talker, "synthesize", synthesize)
+    assert first_audio(talker, "a", "what time is it") == []  # the first reply waits for its synthesis
+    deadline = time.monotonic() + 10
+    while not any(isinstance(e, Output) and e.data["type"] == "audio" for e in talker.step([StepInput("a", {})])):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert synthesized[0] == "You said:"
+    second = first_audio(talker, "b", "play some music")
+    assert second and {a["text"] for a in second} == {"You said:"}
+    assert "You said:" not in synthesized[1:]
+    inline = Talker(clock=FakeClock(), synth_threads=0)
+    assert [a["audio"] for a in first_audio(inline, "c", "what time is it")] == [a["audio"] for a in second]
+    noisy = Talker(clock=FakeClock(), synth_threads=0, noise_scale=None, noise_w_scale=None)
+    first_audio(noisy, "d", "what time is it")
+    assert noisy.said_cache == 0 and not noisy._said
 
 
 def test_talker_lead_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,12 @@ with p >= `threshold`; it ends once p < `threshold - 0.15` has lasted
 `min_silence_s` without p >= `threshold` in between; a turn longer than
 `max_turn_s` is cut; at end of input an open turn is closed. A turn's audio runs
 from `preroll_s` before its start to its end decision (trailing silence included).
+
+A pause: once a silence has lasted `pause_s` (0.2 s) inside a turn, the step's `speech` item
+says so (`"pause": true`), once per silence. The Recognizer then decodes the turn so far,
+while the silence rule is still deciding; if the turn ends in that same silence (no window
+at `threshold` since: the end item's `"since_pause": true`), that decode is its final, ready
+when the turn ends instead of 0.1 s after it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ STATE_SHAPE = (2, 128)  # per call: (2, B, 128) batched
 THRESHOLD = 0.5
 MIN_SILENCE_S = 0.5
 PREROLL_S = 0.3
+PAUSE_S = 0.2  # a silence this long inside a turn: the Recognizer decodes it ahead of the end
 
 
 def load_vad_network(torch_threads: int | None = 1) -> Any:
@@ -71,6 +78,8 @@ class _CallState:
     triggered: bool = False
     start_at: int = 0  # sample position of the open turn's start
     temp_end: int = 0  # sample position where the current silence began (0: none)
+    paused: bool = False  # the current silence has lasted pause_s
+    pause_sent: bool = False  # and a `speech` item said so
     out_audio: list[np.ndarray] = field(default_factory=list)  # open turn's audio of this step
     speech_s: float = 0.0  # total voiced turn time
     ended: bool = False
@@ -87,7 +96,9 @@ class Listener(Partition):
       silence that decided the turn began there; `at - end_at` is the time the decision took,
       in the call's audio). `reason` is "silence", "max_length" or "end_of_input".
     Edge `speech` items: PCM16 int16 audio of turn k, meta `{"turn": k, "end": bool}` (the end
-    item may carry no data) plus `"reason"` and `"short"` (turn shorter than `min_turn_s`) on the end item.
+    item may carry no data) plus `"reason"`, `"short"` (turn shorter than `min_turn_s`) and
+    `"since_pause"` on the end item, and `"pause": true` on the item that ends a step in which
+    a silence reached `pause_s` (see the module's docstring).
     Edge `vad` items: meta `{"event": "speech_start" | "speech_end", "turn": k, "at": s}`.
     """
 
@@ -99,6 +110,7 @@ class Listener(Partition):
         max_turn_s: float = 30.0,
         min_turn_s: float = 0.25,
         torch_threads: int | None = 1,
+        pause_s: float | None = PAUSE_S,
     ) -> None:
         import torch
 
@@ -111,6 +123,7 @@ class Listener(Partition):
         self.preroll_windows = -(-int(preroll_s * SAMPLE_RATE) // WINDOW)
         self.max_turn = int(max_turn_s * SAMPLE_RATE)
         self.min_turn = int(min_turn_s * SAMPLE_RATE)
+        self.pause = int(pause_s * SAMPLE_RATE) if pause_s is not None else None
         self._calls: dict[str, _CallState] = {}
 
     # -- calls ---------------------------------------------------------------
@@ -217,8 +230,11 @@ class Listener(Partition):
         st.out_audio.append(pcm)
         if p >= self.threshold:
             st.temp_end = 0
+            st.paused = st.pause_sent = False
         elif p < self.neg_threshold and not st.temp_end:
             st.temp_end = pos
+        if st.temp_end and self.pause is not None and st.samples - st.temp_end >= self.pause:
+            st.paused = True
         if st.temp_end and st.samples - st.temp_end >= self.min_silence:
             self._end_turn(cid, st, "silence", out)
         elif st.samples - st.start_at >= self.max_turn:
@@ -230,7 +246,8 @@ class Listener(Partition):
         st.speech_s += speech / SAMPLE_RATE
         short = speech < self.min_turn
         at = round(st.samples / SAMPLE_RATE, 3)
-        meta = {"turn": st.turn, "end": True, "reason": reason, "short": short}
+        # The audio after the pause item was all silence: the Recognizer's decode at the pause heard the turn.
+        meta = {"turn": st.turn, "end": True, "reason": reason, "short": short, "since_pause": st.pause_sent}
         self._flush_audio(cid, st, out, end_meta=meta)
         out.append(EdgeItem(cid, "vad", Item(None, {"event": "speech_end", "turn": st.turn, "at": at})))
         out.append(
@@ -248,6 +265,7 @@ class Listener(Partition):
         )
         st.triggered = False
         st.temp_end = 0
+        st.paused = st.pause_sent = False
 
     def _flush_audio(self, cid: str, st: _CallState, out: list[Emission], end_meta: dict[str, Any] | None) -> None:
         if not st.triggered:
@@ -257,4 +275,6 @@ class Listener(Partition):
         data = np.concatenate(st.out_audio) if st.out_audio else None
         st.out_audio = []
         meta = end_meta if end_meta is not None else {"turn": st.turn, "end": False}
+        if end_meta is None and st.paused and not st.pause_sent:
+            meta["pause"] = st.pause_sent = True
         out.append(EdgeItem(cid, "speech", Item(data, meta)))

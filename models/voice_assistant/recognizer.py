@@ -62,6 +62,9 @@ class _CallState:
     audio: list[np.ndarray] = field(default_factory=list)  # the open turn's audio (engines that decode it whole)
     decoded: int = 0  # samples of the open turn covered by the last whole decode
     heard: int = 0  # samples of the open turn so far (engines that decode it whole)
+    pause_due: bool = False  # the Listener said the caller paused: decode the turn so far now
+    settled: str | None = None  # the text of the turn heard at its last pause (engines that decode it whole)
+    since_pause: bool = False  # the turn ended in the silence of that pause: `settled` is its final
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,10 @@ class TurnRecognizer(Partition):
     An engine implements the hooks: `_begin` (a turn starts), `_feed` (its audio), `_hypothesis`
     (the partial text now, or None when none is due), `_end` (the final text, or `Later(clip)`:
     decoded with the step's other finals in one batch by `_decode_finals`) and `_release`
-    (the call's engine state goes, at a close or after a fault)."""
+    (the call's engine state goes, at a close or after a fault). An engine whose final costs a
+    decode of the whole turn also implements `_decode_pauses`: the turns whose caller paused
+    (the Listener's `pause` item), decoded in one batch ahead of the end, so that a turn that
+    ends in that pause has its final at once (`settled`, `since_pause`)."""
 
     # Partial decodes a step may make (None: one for each call with an open turn); the hook
     # `_behind` says which calls' partials are most due.
@@ -124,6 +130,11 @@ class TurnRecognizer(Partition):
     def _decode_finals(self, clips: list[np.ndarray]) -> list[str]:
         """The finals `_end` left for later, in one batch (engines that return `Later`)."""
         raise NotImplementedError(f"{type(self).__name__}._end returned Later without _decode_finals")
+
+    def _decode_pauses(self, paused: list[_CallState]) -> list[str | None]:
+        """The text of each paused turn so far, or None where none is decoded (the default:
+        an engine that streams has its final at hand anyway)."""
+        return [None] * len(paused)
 
     @abstractmethod
     def _release(self, st: _CallState, reuse: bool) -> None:
@@ -168,6 +179,7 @@ class TurnRecognizer(Partition):
                 log.exception("recognizer: call %s: decoding failed; its turn ends empty", s.cid)
                 self._reset(s.cid, st, emitted)
         self._decode_later(mine)
+        open_turns = self._settle_pauses(open_turns, mine)
         budget = self.partial_budget
         if budget is not None:
             open_turns.sort(key=lambda c: self._behind(c[1]), reverse=True)
@@ -200,6 +212,29 @@ class TurnRecognizer(Partition):
             at = emitted.index(f)
             emitted[at : at + 1] = self._final_emissions(f.cid, f.turn, text, f.short)
 
+    def _settle_pauses(
+        self, open_turns: list[tuple[str, _CallState]], mine: dict[str, list[Emission | _Final]]
+    ) -> list[tuple[str, _CallState]]:
+        """The paused turns decoded in one batch, each text a partial and the turn's `settled`
+        text; the open turns left for this step's partials. A batch that fails leaves them to
+        their finals."""
+        paused = [(cid, st) for cid, st in open_turns if st.pause_due]
+        if not paused:
+            return open_turns
+        for _, st in paused:
+            st.pause_due = False
+        try:
+            texts = self._decode_pauses([st for _, st in paused])
+        except Exception:
+            log.exception("recognizer: decoding %d paused turns failed; they wait for their finals", len(paused))
+            return open_turns
+        for (cid, st), text in zip(paused, texts, strict=True):
+            if text is not None:
+                st.settled = text
+                self._partial_text(cid, st, text, mine[cid])
+        decoded = {id(st) for _, st in paused}
+        return [(cid, st) for cid, st in open_turns if id(st) not in decoded]
+
     def _reset(self, cid: str, st: _CallState, out: list[Emission | _Final]) -> None:
         """Throw the call's engine state away and end its open turn empty."""
         self._release(st, reuse=False)
@@ -219,6 +254,7 @@ class TurnRecognizer(Partition):
             st.in_utt = True
             st.turn = turn
             st.partial = ""
+            st.settled = None
         if item.data is not None and len(item.data):
             pcm = np.asarray(item.data).reshape(-1)
             if pcm.dtype != np.int16:
@@ -226,7 +262,10 @@ class TurnRecognizer(Partition):
             st.samples += len(pcm)
             st.fed += len(pcm)
             self._feed(st, pcm)
+        if meta.get("pause"):
+            st.pause_due, st.settled = True, None
         if meta.get("end"):
+            st.since_pause = bool(meta.get("since_pause"))
             self._finish(cid, st, short=bool(meta.get("short", False)), out=out)
 
     def _partial(self, cid: str, st: _CallState, out: list[Emission | _Final]) -> bool:
@@ -234,11 +273,16 @@ class TurnRecognizer(Partition):
         text = self._hypothesis(st)
         if text is None:
             return False
+        self._partial_text(cid, st, text, out)
+        return True
+
+    @staticmethod
+    def _partial_text(cid: str, st: _CallState, text: str, out: list[Emission | _Final]) -> None:
+        """A partial transcript to the client, where it changed and is not empty."""
         if text and text != st.partial:
             st.partial = text
             st.partials += 1
             out.append(Output(cid, {"type": "transcript", "turn": st.turn, "text": text, "final": False}))
-        return True
 
     def _finish(self, cid: str, st: _CallState, short: bool, out: list[Emission | _Final]) -> None:
         """Close the open turn: its final now, or in the step's batch (`Later`)."""
@@ -251,7 +295,8 @@ class TurnRecognizer(Partition):
 
     @staticmethod
     def _close(st: _CallState) -> None:
-        st.in_utt = False
+        st.in_utt = st.pause_due = st.since_pause = False
+        st.settled = None
         st.turns = max(st.turns, st.turn)
 
     @staticmethod

@@ -14,6 +14,10 @@ pieces are synthesized on a background thread (onnxruntime releases the GIL), so
 step never waits for synthesis; with `synth_threads=0` a step synthesizes at most
 `inline_per_step` pieces itself (deterministic against a fake clock: the tests).
 
+Pieces said before are not synthesized again: with the noise off a piece always sounds the
+same, so the last `said_cache` (64) pieces' audio is kept, and a reply's first piece ("You
+said:") goes out in the step that has the transcript instead of after a synthesis.
+
 Pacing: the reply's audio is sent in chunks of `chunk_s` (80 ms) at the voice's rate,
 never more than `lead_s` (200 ms, at least `chunk_s`) ahead of real time since its
 first chunk (a chunk goes out once it fits in that lead); that is also the most the
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -110,6 +114,7 @@ class Talker(Partition):
         noise_scale: float | None = 0.0,
         noise_w_scale: float | None = 0.0,
         length_scale: float | None = None,
+        said_cache: int = 64,
     ) -> None:
         from piper import SynthesisConfig
 
@@ -127,6 +132,9 @@ class Talker(Partition):
         self.inline_per_step = max(1, inline_per_step)
         self._pool = ThreadPoolExecutor(synth_threads, thread_name_prefix="talker-tts") if synth_threads > 0 else None
         self._calls: dict[str, _CallState] = {}
+        # A piece's audio kept only where synthesis is deterministic (the noise off).
+        self.said_cache = said_cache if noise_scale == 0 and noise_w_scale == 0 else 0
+        self._said: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def synthesize(self, text: str) -> np.ndarray:
         """PCM16 audio of `text` at the voice's rate (none if synthesis fails: the piece is skipped)."""
@@ -228,6 +236,20 @@ class Talker(Partition):
     def _needs_audio(self, r: _Reply) -> bool:
         return r.future is None and r.next_piece < len(r.pieces) and r.buffered < self.ahead
 
+    def _remember(self, text: str, audio: np.ndarray) -> None:
+        if self.said_cache and len(audio):
+            self._said[text] = audio
+            self._said.move_to_end(text)
+            while len(self._said) > self.said_cache:
+                self._said.popitem(last=False)
+
+    def _take_said(self, r: _Reply) -> None:
+        """The reply's next pieces from the audio of pieces said before, while it needs audio."""
+        while self._needs_audio(r) and (audio := self._said.get(r.pieces[r.next_piece])) is not None:
+            self._said.move_to_end(r.pieces[r.next_piece])
+            self._add_segment(r, r.pieces[r.next_piece], audio)
+            r.next_piece += 1
+
     def _synthesize(self, active: list[tuple[str, _CallState]]) -> None:
         replies = [st.reply for _, st in active if st.reply is not None]
         if self._pool is not None:
@@ -235,18 +257,24 @@ class Talker(Partition):
                 if r.future is not None and r.future.done():
                     audio = r.future.result()
                     r.future = None
+                    self._remember(r.future_text, audio)
                     self._add_segment(r, r.future_text, audio)
+                self._take_said(r)
                 if self._needs_audio(r):
                     r.future_text = r.pieces[r.next_piece]
                     r.next_piece += 1
                     r.future = self._pool.submit(self.synthesize, r.future_text)
             return
         # Inline: the calls with the least buffered audio first, at most inline_per_step pieces.
+        for r in replies:
+            self._take_said(r)
         todo = sorted((r for r in replies if self._needs_audio(r)), key=lambda r: (r.t0 is not None, r.buffered))
         for r in todo[: self.inline_per_step]:
             piece = r.pieces[r.next_piece]
             r.next_piece += 1
-            self._add_segment(r, piece, self.synthesize(piece))
+            audio = self.synthesize(piece)
+            self._remember(piece, audio)
+            self._add_segment(r, piece, audio)
 
     @staticmethod
     def _add_segment(r: _Reply, text: str, audio: np.ndarray) -> None:

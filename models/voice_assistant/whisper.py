@@ -11,7 +11,10 @@ Whisper hears a whole clip at once; it does not stream. So a turn's audio is kep
   audio (a partial transcript), but only for a call fed in real time: a call whose input
   comes faster (a file, a call catching up) would pay one decode per half second of audio
   for partials nobody waits on, and gets its final transcripts only;
-- at the turn's end, the whole turn is decoded once more: the final transcript.
+- once the caller pauses (the Listener's `pause` item, 0.2 s into a silence), the turn so far
+  is decoded at once, the paused calls of a step in one batch: if the turn ends in that
+  silence, that is its final, ready as the turn ends;
+- otherwise, at the turn's end, the whole turn is decoded once more: the final transcript.
 
 Whisper was trained on 30-second windows. A window barely longer than the speech makes it
 repeat itself ("what time is it? what time is it? ..."); 7 to 10 s windows do not, on the
@@ -145,10 +148,21 @@ class WhisperRecognizer(TurnRecognizer):
         st.decoded = st.heard
         return self.engine.transcribe(np.concatenate(st.audio))
 
+    def _decode_pauses(self, paused: list[_CallState]) -> list[str | None]:
+        # A call fed in real time only, as its partials: one fed faster has its end at hand.
+        due = [st for st in paused if st.audio and st.fed < self.partial_every]
+        texts = self.engine.transcribe_many([np.concatenate(st.audio) for st in due]) if due else []
+        by_call = {id(st): text for st, text in zip(due, texts, strict=True)}
+        for st in due:
+            st.decoded = st.heard
+        return [by_call.get(id(st)) for st in paused]
+
     def _end(self, st: _CallState) -> str | Later:
         audio, st.audio = st.audio, []
         if not audio:
             return ""
+        if st.settled is not None and st.since_pause:  # heard at the pause; nothing but its silence since
+            return st.settled
         if st.decoded == st.heard:  # the last partial heard it all
             return st.partial
         return Later(np.concatenate(audio))  # with the step's other finals, in one batch
