@@ -111,6 +111,12 @@ class DirectReads:
         self._pages.pop(page.token, None)
         if page.expiry is not None:
             page.expiry.cancel()
+        # A page left behind by a read that failed on another (they expire together) may hold
+        # its own timeout: taken here, or asyncio logs it as never retrieved when it goes.
+        if page.done.done() and not page.done.cancelled():
+            page.done.exception()
+        else:
+            page.done.cancel()
 
     async def _answer(self, page: _Page) -> tuple[list[Msg], bool]:
         """The page's messages, and whether more follow them."""
