@@ -269,6 +269,29 @@ def test_restore_from_records_carries_on() -> None:
     assert f[0].status == 200 and f[0].outputs == {"Encoder": 0, "Talker": 3}
 
 
+def test_a_calls_assignments_carry_its_opens_stream_sequence_also_after_a_restore() -> None:
+    """Its workers read its input from where the frontend says its messages start
+    (wire.Open.read_after, below the open's own sequence), not from the stream's start; a
+    restarted conductor that moves the call to another worker still knows where. A floor at
+    or above the open's own sequence (a stream made again) is none."""
+    c = conductor()
+    c.handle(hb("w1", PARTS))
+    msg = opened("a").msg
+    msg.read_after = 4300
+    acts = c.handle(core.Opened(msg, 0.0, seq=4321))
+    assert [a.msg.read_after for a in acts if isinstance(a, core.SendAssign)] == [4300]
+    ack_all(c, "a", acts)
+    fresh = conductor()
+    fresh.restore([c.calls["a"].record()])
+    fresh.handle(hb("w1", PARTS))
+    fresh.handle(hb("w2", PARTS))
+    moved = fresh.handle(core.WorkerLost("w1"))
+    assert [(a.worker_id, a.msg.read_after) for a in moved if isinstance(a, core.SendAssign)] == [("w2", 4300)]
+    again = opened("b").msg
+    again.read_after = 9000
+    assert [a.msg.read_after for a in c.handle(core.Opened(again, 0.0, seq=17)) if isinstance(a, core.SendAssign)] == [0]
+
+
 def test_transitions_are_guarded() -> None:
     call = core.Call("x", "r", "echo", "fe", True, 0.0, {}, PARTS, set())
     call.move(core.CallState.FINISHED)

@@ -68,6 +68,7 @@ _TRANSITIONS: dict[CallState, set[CallState]] = {
 class Opened:
     msg: wire.Open
     now: float
+    seq: int = 0  # the open's stream sequence (0: not known)
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,7 @@ class Call:
     kwargs_in_open: bool = False  # large kwargs stay in the open message, not in records or assignments
     binary: bool = False  # its client reads msgpack: its workers publish its outputs packed
     moves: int = 0  # how often it moved to another frontend (`frontend_id` is the latest; `FrontendSeen`)
+    read_after: int = 0  # nothing of it is stored at or before this stream sequence (wire.Open.read_after)
     # Workers that refused this placement as busy (draining, full): not asked again until the
     # call is placed, so a placement asks each worker at most once. Not saved: a restored
     # call is taken as placed.
@@ -255,6 +257,7 @@ class Call:
             kwargs_in_open=r.kwargs_in_open,
             binary=r.binary,
             moves=r.moves,
+            read_after=r.read_after,
             partitions=list(r.partitions),
             open_streams=set(r.open_streams),
             state=CallState(r.state),
@@ -278,6 +281,7 @@ class Call:
             kwargs_in_open=self.kwargs_in_open,
             binary=self.binary,
             moves=self.moves,
+            read_after=self.read_after,
             partitions=list(self.partitions),
             open_streams=sorted(self.open_streams),
             placement=dict(self.placement),
@@ -400,6 +404,9 @@ class Conductor:
             open_streams=set(m.open_streams),
             frontend_beat=m.frontend_beat,
             binary=m.binary,
+            # Below its open's own sequence, or not known: a stream made again since the frontend
+            # saw it (its sequences start over) gives no floor.
+            read_after=m.read_after if 0 < m.read_after < ev.seq else 0,
         )
         early = self.ended.get(m.cid)
         if early is not None:  # its abort was read first: the abort wins, the call is never placed
@@ -480,6 +487,7 @@ class Conductor:
                         model_kwargs={} if call.kwargs_in_open else call.model_kwargs,
                         kwargs_in_open=call.kwargs_in_open,
                         binary=call.binary,
+                        read_after=call.read_after,
                     ),
                 )
             )

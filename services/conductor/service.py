@@ -152,7 +152,7 @@ class ConductorService:
             msgs = await retrying(lambda: sub.fetch(256, timeout=1.0), outage)
             for m in msgs:
                 try:
-                    ev = _event_of(m.subject, await self.bus.body(m))
+                    ev = _event_of(m.subject, await self.bus.body(m), self.bus.stream_seq(m))
                 except BusError as e:  # left unacknowledged: redelivered after ack_wait
                     log.error("cannot read the body of %s: %s", m.subject, e)
                     continue
@@ -459,7 +459,7 @@ def _lost(bucket: str, key: str) -> core.Event:
     return core.WorkerLost(key) if bucket == subjects.KV_WORKERS else core.FrontendLost(key)
 
 
-def _event_of(subject: str, data: bytes) -> core.Event | None:
+def _event_of(subject: str, data: bytes, seq: int) -> core.Event | None:
     try:
         s = subjects.parse(subject)
         msg = wire.decode(data)
@@ -467,7 +467,7 @@ def _event_of(subject: str, data: bytes) -> core.Event | None:
         log.warning("undecodable message on %s", subject)
         return None
     if isinstance(msg, wire.Open):
-        return core.Opened(msg, time.time())
+        return core.Opened(msg, time.time(), seq)
     if isinstance(msg, wire.EndOfInput) and s.edge:
         return core.InputEnded(s.cid, s.edge, msg.total)
     if isinstance(msg, wire.Done):

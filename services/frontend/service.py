@@ -282,6 +282,7 @@ class FrontendService:
         )
         beat = self.beats.taken()  # with no await before the call is held: later heartbeats list it
         self.calls[cid] = call
+        read_after = self.bus.stored_to()  # before the call's first message: all of it is stored after
         try:
             call.subs.append(await self.bus.subscribe_direct(subjects.out(cid), self.outputs.on_out))
             call.subs.append(await self.bus.subscribe_direct(subjects.fin(cid), self.outputs.on_fin))
@@ -301,6 +302,7 @@ class FrontendService:
             request_id_revision=revision,
             frontend_beat=beat,
             binary=o.binary,
+            read_after=read_after,
         )
         if not live:
             try:

@@ -92,7 +92,7 @@ class Assignment:
             raise
         if call is None:
             call = self.intake.open(a.cid)
-            call.binary = a.binary
+            call.binary, call.read_after = a.binary, a.read_after
         await self.intake.placed(call, mine)
 
     async def _kwargs_from_open(self, cid: str) -> dict[str, Any]:

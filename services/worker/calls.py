@@ -25,6 +25,7 @@ class AssignedCall:
     cid: str
     partitions: list[str]
     binary: bool = False  # its client reads msgpack: its outputs are published packed (wire.pack_event)
+    read_after: int = 0  # nothing of it is stored at or before this stream sequence (wire.Assign.read_after)
     inputs: dict[str, BusSubscription] = field(default_factory=dict)  # edge -> live input (none while paused)
     catchups: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # partition -> the read InputReads last started
 

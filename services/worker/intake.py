@@ -87,7 +87,8 @@ class Intake:
         # reads' barrier is published on this connection after these subscriptions, so the
         # server has them in place before it stores the barrier. One barrier serves them all.
         now = time.monotonic()
-        reads = [self.reads.subscribed(call.cid, p, self.ctx.runners[p].engine.input_edges(), now) for p in mine]
+        floor = call.read_after  # nothing of the call is stored at or before it
+        reads = [self.reads.subscribed(call.cid, p, self.ctx.runners[p].engine.input_edges(), now, floor) for p in mine]
         barrier = self.tasks.spawn(self._barrier(call)) if any(r is not None and r.from_start for r in reads) else None
         for read in reads:
             self._start_read(read, barrier)

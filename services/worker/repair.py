@@ -31,6 +31,14 @@ the call's other partitions here.
 At most one read runs per unit, and it covers any other reason to read. Reads after the
 first go on from the stream sequence earlier reads reached (`read_to`): everything stored
 before it was handed to the engine, so an item still missing was stored after it.
+
+The first read starts at the call's open (`floor`: the frontend publishes the open before the
+call's input, on one connection, so the call's messages are stored after it), not at the
+stream's start: a direct get of a subject from sequence 1 costs the server several times
+one from near its messages, and an open storm makes hundreds. Should an item all the same
+have been stored before the open (the open's store lost and sent again after the first
+appends), gap reads from where reads reached cannot find it: once a unit's gap reads have
+ended `DEEP_AFTER` times with the same gaps, its next one reads from the stream's start.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from dataclasses import dataclass
 REPAIR_PERIOD_S = 0.5  # how long an item may be missing before it is read from the stream
 STALL_S = 2.0  # no input at all this long, streams not complete: read the stream (a lost end leaves no gap)
 STALL_MAX_S = 16.0  # the wait doubles while such reads bring nothing, up to this
+DEEP_AFTER = 3  # gap reads ended with the same gaps: the next reads from the stream's start
 
 Unit = tuple[str, str]  # (call id, partition)
 Gaps = tuple[tuple[str, int], ...]  # (edge, first missing seq) per edge with a gap
@@ -87,6 +96,8 @@ class _Unit:
     reading: int | None = None  # the running read's id
     read_to: int = 0  # the stream sequence its reads have read to
     paused: bool = False  # live input is not taken: it waits in the stream for the running read
+    floor: int = 0  # where its first read started (the call's open): nothing of it is stored before
+    gap_reads: tuple[Gaps, int] = ((), 0)  # the gaps its last gap reads were for, and how many ended so
 
 
 class InputReads:
@@ -117,13 +128,14 @@ class InputReads:
         return None if units is None else units.get(partition)
 
     # -- events --------------------------------------------------------------
-    def subscribed(self, cid: str, partition: str, edges: Iterable[str], now: float) -> StartRead | None:
+    def subscribed(self, cid: str, partition: str, edges: Iterable[str], now: float, floor: int = 0) -> StartRead | None:
         """The call's `partition` was placed here (it reads `edges`) and its subscriptions
-        are in place: read what the stream holds. None for a unit already here."""
+        are in place: read what the stream holds after sequence `floor` (the call's open less
+        one; 0: the whole stream). None for a unit already here."""
         units = self._calls.setdefault(cid, {})
         if partition in units:
             return None
-        unit = units[partition] = _Unit(tuple(sorted(edges)), last_input=now, stall_s=self.stall_s)
+        unit = units[partition] = _Unit(tuple(sorted(edges)), last_input=now, stall_s=self.stall_s, read_to=floor, floor=floor)
         return self._start(cid, partition, unit, Why.PLACED)
 
     def forget(self, cid: str) -> None:
@@ -217,9 +229,10 @@ class InputReads:
         reads = []
         for (cid, partition), gaps in missing.items():
             unit = self._unit(cid, partition)
-            if unit is None or self._seen.get((cid, partition)) != gaps:
+            if unit is None or self._seen.get((cid, partition)) != gaps or unit.reading is not None:
                 continue
             detail = f"items {gaps} missing for {self.period_s:.1f}s"
+            self._deepen(unit, gaps)
             if (r := self._start(cid, partition, unit, Why.GAP, detail)) is not None:
                 reads.append(r)
         self._seen = dict(missing)
@@ -236,6 +249,16 @@ class InputReads:
         return reads
 
     # -- rules ---------------------------------------------------------------
+    @staticmethod
+    def _deepen(unit: _Unit, gaps: Gaps) -> None:
+        """Count the gap reads that ended with these gaps; after DEEP_AFTER, read from the
+        stream's start once (see the module's docstring)."""
+        last, ended = unit.gap_reads
+        ended = ended + 1 if last == gaps else 0
+        unit.gap_reads = (gaps, ended)
+        if ended >= DEEP_AFTER and unit.floor:
+            unit.floor = unit.read_to = 0
+
     def _start(self, cid: str, partition: str, unit: _Unit, why: Why, detail: str = "") -> StartRead | None:
         """A read of the unit's edges, unless one is under way (it covers this one)."""
         if unit.reading is not None:

@@ -49,6 +49,7 @@ class Acks:
         self._inbox = LazyInbox(nc, self._on_ack)
         self._waiting: dict[str, asyncio.Future[Msg]] = {}
         self._next = 0
+        self.stored_to: dict[str, int] = {}  # stream -> the highest sequence an ack said it stored
 
     def _on_ack(self, msg: Msg) -> None:
         fut = self._waiting.pop(msg.subject.rpartition(".")[2], None)
@@ -93,7 +94,9 @@ class Acks:
         ack = json.loads(msg.data)
         if "error" in ack:
             APIError.from_error(ack["error"])  # raises the error's own class, as nats-py's publish does
-        return int(ack["seq"])
+        seq, stream = int(ack["seq"]), str(ack.get("stream", ""))
+        self.stored_to[stream] = max(seq, self.stored_to.get(stream, 0))
+        return seq
 
 
 def _expire(fut: asyncio.Future[Msg]) -> None:

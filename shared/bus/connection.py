@@ -25,6 +25,7 @@ from nats import micro
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -463,6 +464,12 @@ class BusConnection:
             headers, body = await self.payloads.outgoing(subject, body, headers)
             return await self.acks.publish(subject, body, headers=headers)
 
+    def stored_to(self) -> int:
+        """The highest sequence of the calls stream that a store on this connection was told
+        it stored: anything published on it from now on is stored after it. (A stream made
+        again starts over below it: wire.Open.read_after says how that is caught.)"""
+        return self.acks.stored_to.get(subjects.STREAM, 0)
+
     async def store_once(self, subject: str, body: bytes, patience_s: float = 0.0) -> None:
         """A message a call has once (open, end of input, edge end, done, fin), stored with an
         ack. Its subject is unique in the call, so it is also its `Nats-Msg-Id`: a republish
@@ -525,6 +532,15 @@ class BusConnection:
     async def body(self, msg: BusMsg) -> bytes:
         with mapped(f"reading the body of {msg.subject}", self._denials):
             return await self.payloads.body(msg.headers, msg.data)
+
+    @staticmethod
+    def stream_seq(msg: BusMsg) -> int:
+        """The stream sequence of a message a consumer delivered (`Durable.fetch`), read from
+        its reply subject; 0 for any other message."""
+        try:
+            return int(_nats_msg(msg).metadata.sequence.stream)
+        except (NotJSMessageError, ValueError, IndexError):
+            return 0
 
     async def last_stored(self, subject: str) -> bytes:
         """The body of the last message the stream holds on `subject` (BusNotFound: none)."""

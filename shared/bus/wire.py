@@ -34,9 +34,11 @@ from shared.sdk.chunking import Item
 # calls whose client reads msgpack (Open.binary, CallRecord.binary, Assign.binary,
 # OutputMsg.packed); 1.4 realtime sessions that move between frontends
 # (FrontendHeartbeat.adopted, CallRecord.moves, and RealtimeTake, RealtimeMove and
-# RealtimeTaken on the `ctl.realtime.*` subjects).
+# RealtimeTaken on the `ctl.realtime.*` subjects); 1.5 where a call's messages start in the
+# stream (Open.read_after, Assign.read_after, CallRecord.read_after): a worker's first read
+# of the call starts there.
 MAJOR = 1
-MINOR = 4
+MINOR = 5
 _T = TypeVar("_T", bound="Msg")
 
 
@@ -92,6 +94,9 @@ class Open(Msg, tag="open"):
     # 1.3: the client reads the call's replies in msgpack (binary frames): its outputs are
     # published packed (`pack_event`), so the frontend relays them as they come.
     binary: bool = False
+    # 1.5: the last stream sequence the frontend saw stored before it published the call's
+    # first message (0: none seen): every message of the call is stored after it.
+    read_after: int = 0
 
 
 class InputItem(Msg, tag="in"):
@@ -175,6 +180,10 @@ class Assign(Msg, tag="assign"):
     model_kwargs: dict[str, Any] = {}
     kwargs_in_open: bool = False  # too large to carry here: read them from call.{cid}.open
     binary: bool = False  # 1.3: publish the call's outputs packed (Open.binary)
+    # 1.5: nothing of the call is stored at or before this stream sequence (Open.read_after;
+    # 0: not known): the worker's first read of its input starts after it, not at the
+    # stream's start.
+    read_after: int = 0
 
 
 class AssignReply(Msg, tag="assign_reply"):
@@ -227,6 +236,7 @@ class CallRecord(Msg, tag="call"):
     frontend_beat: int = 0  # 1.2: the open's, so a restored call is reconciled as before
     binary: bool = False  # 1.3: the open's (its outputs are published packed)
     moves: int = 0  # 1.4: how often the call moved to another frontend (`frontend_id` is its latest)
+    read_after: int = 0  # 1.5: where its messages start in the stream (Assign.read_after)
 
 
 class Placed(Msg, tag="placed"):
