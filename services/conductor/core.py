@@ -153,6 +153,7 @@ class PublishFin:
     msg: wire.Fin
     request_id: str
     request_id_revision: int = 0
+    floor: int = 0  # the call's read_after: its messages are above it (retention.py)
 
 
 @dataclass(frozen=True)
@@ -591,7 +592,10 @@ class Conductor:
             error=error,
             outputs=call.done,
         )
-        actions: list[Action] = [PublishFin(call.cid, fin, call.request_id, call.request_id_revision), DeleteRecord(call.cid)]
+        actions: list[Action] = [
+            PublishFin(call.cid, fin, call.request_id, call.request_id_revision, call.read_after),
+            DeleteRecord(call.cid),
+        ]
         if not was_queued:
             actions.extend(self._admit_queued())
         return actions
@@ -607,7 +611,7 @@ class Conductor:
         """The fin of a call refused at its open (never placed)."""
         self._remember_end(call.cid, None)
         fin = wire.Fin(status=status, reason=reason, error=error)
-        return PublishFin(call.cid, fin, call.request_id, call.request_id_revision)
+        return PublishFin(call.cid, fin, call.request_id, call.request_id_revision, call.read_after)
 
     def _remember_end(self, cid: str, early: AbortRequested | None) -> None:
         self.ended[cid] = early
@@ -695,6 +699,11 @@ class Conductor:
         return actions
 
     # -- recovery ------------------------------------------------------------
+    def floor(self) -> int | None:
+        """The lowest `read_after` of the calls held (0: one not known; None: none held): none
+        of their messages is at or below it (retention.py cuts the stream's head only below)."""
+        return min((c.read_after for c in self.calls.values()), default=None)
+
     def restore(self, records: list[wire.CallRecord]) -> None:
         """Rebuild state from the KV records after a restart."""
         for r in sorted(records, key=lambda r: r.created):

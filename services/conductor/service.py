@@ -67,6 +67,7 @@ class ConductorService:
         self._stream_full = False  # as last told to the core
         self.removed = 0  # finished calls removed from the stream, and the seconds it took
         self.removing_s = 0.0
+        self.cuts = 0  # of the stream's head (retention.py)
 
     @property
     def bus(self) -> BusConnection:
@@ -217,6 +218,7 @@ class ConductorService:
             if isinstance(a, core.SendAssign):
                 self.tasks.spawn(self._assign(a))
             elif isinstance(a, core.PublishFin):
+                self.janitor.ending(a.cid, a.floor)
                 writes.append(self.tasks.spawn(self._fin(a), awaited=True))
                 if a.request_id:  # the frontend frees it too, when it is alive to see the fin
                     rids = self.kv[subjects.KV_REQUEST_IDS]
@@ -230,8 +232,8 @@ class ConductorService:
         return writes
 
     async def _fin(self, a: core.PublishFin) -> None:
-        await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))
-        self.janitor.ended(a.cid, time.monotonic())  # its messages may go from now on (retention.py)
+        seq = await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))
+        self.janitor.ended(a.cid, time.monotonic(), a.floor, seq)  # its messages may go from now on (retention.py)
 
     async def _janitor(self) -> None:
         """Keep the stream within retention by removing finished calls (retention.py); tell
@@ -247,8 +249,21 @@ class ConductorService:
                 await asyncio.sleep(0 if e.recoverable else 30)
             if time.monotonic() > report:
                 if self.removed:
-                    log.info("removed %d finished calls from the stream in %.1f s", self.removed, self.removing_s)
-                self.removed, self.removing_s, report = 0, 0.0, time.monotonic() + 60
+                    log.info(
+                        "removed %d finished calls from the stream in %.1f s (%d cuts of its head)",
+                        self.removed,
+                        self.removing_s,
+                        self.cuts,
+                    )
+                self.removed, self.removing_s, self.cuts, report = 0, 0.0, 0, time.monotonic() + 60
+
+    async def _read_to(self, last_seq: int) -> int:
+        """The stream sequence up to which the conductor has read and acknowledged its
+        consumer (0 where that cannot be asked now: no cut this round)."""
+        try:
+            return await self.bus.acked_to(subjects.CONDUCTOR_DURABLE, last_seq)
+        except BusError:
+            return 0
 
     async def _find_finished(self) -> None:
         """The finished calls a conductor before this one left in the stream (each has a fin)."""
@@ -264,7 +279,9 @@ class ConductorService:
             log.info("%d finished calls in the stream", len(cids))
 
     async def _clean(self) -> None:
-        stream_bytes = await self.bus.stream_bytes()
+        stream = await self.bus.stream_state()
+        stream_bytes = stream.bytes
+        self.janitor.mark(time.monotonic(), stream.last_seq)
         full = self.janitor.full(stream_bytes)
         if full != self._stream_full:
             self._stream_full = full
@@ -274,7 +291,21 @@ class ConductorService:
                 log.warning("the stream holds %d bytes: new calls are taken again", stream_bytes)
             await self.events.put((core.StreamFull(full), None))
         cids = self.janitor.plan(stream_bytes, len(self.core.calls), time.time(), time.monotonic())
+        if not cids:
+            return
         start = time.monotonic()
+        cut, rest = self.janitor.head(self.core.floor(), await self._read_to(stream.last_seq), time.monotonic())
+        if cut > stream.first_seq:
+            try:
+                await self.bus.purge_below(cut)
+                self.removed += len(cids) - len(rest)
+                self.cuts += 1
+            except BusError as e:  # by subject, as they would have gone without the cut
+                log.warning("cutting the stream's head below %d failed (%s); removing calls one by one", cut, e)
+                rest = cids
+        else:
+            rest = cids
+        cids = rest
         for i in range(0, len(cids), PURGES_AT_ONCE):
             batch = cids[i : i + PURGES_AT_ONCE]
             results = await asyncio.gather(*(self.bus.purge(subjects.call_all(c)) for c in batch), return_exceptions=True)

@@ -18,6 +18,7 @@ import os
 import ssl
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
@@ -210,6 +211,15 @@ def _micro_handler(handler: Callable[[bytes], Awaitable[bytes]]) -> Callable[[Re
             await req.respond_error("500", public or "internal error (in the service's log)")
 
     return on_request
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """The calls stream as its info gives it: bytes held, first and last sequences."""
+
+    bytes: int
+    first_seq: int
+    last_seq: int
 
 
 class Announcement:
@@ -470,7 +480,7 @@ class BusConnection:
         again starts over below it: wire.Open.read_after says how that is caught.)"""
         return self.acks.stored_to.get(subjects.STREAM, 0)
 
-    async def store_once(self, subject: str, body: bytes, patience_s: float = 0.0) -> None:
+    async def store_once(self, subject: str, body: bytes, patience_s: float = 0.0) -> int:
         """A message a call has once (open, end of input, edge end, done, fin), stored with an
         ack. Its subject is unique in the call, so it is also its `Nats-Msg-Id`: a republish
         after a reconnect is deduplicated by the stream.
@@ -479,8 +489,9 @@ class BusConnection:
         5 s publish wait) is asked for again by publishing once more, until `patience_s` has
         passed: the repeat is dropped by the stream, so a slow server delays the call instead
         of failing it (so is one sent while the connection is down, BusUnavailable). Past
-        `patience_s` the last failure is raised, at once one that is not recoverable."""
-        await retrying(
+        `patience_s` the last failure is raised, at once one that is not recoverable. Its stream
+        sequence (the first store's, where a repeat was dropped)."""
+        return await retrying(
             lambda: self.store(subject, body, headers={"Nats-Msg-Id": subject}),
             Outage(f"storing {subject}", log),
             give_up_s=patience_s,
@@ -686,6 +697,29 @@ class BusConnection:
         with mapped("reading the stream's state", self._denials):
             info = await self._js.stream_info(subjects.STREAM)
         return int(info.state.bytes or 0)
+
+    async def stream_state(self) -> StreamState:
+        """The bytes the stream holds now, and its first and last sequences."""
+        with mapped("reading the stream's state", self._denials):
+            info = await self._js.stream_info(subjects.STREAM)
+        s = info.state
+        return StreamState(int(s.bytes or 0), int(s.first_seq or 0), int(s.last_seq or 0))
+
+    async def acked_to(self, durable: str, last_seq: int) -> int:
+        """The stream sequence up to which `durable` has every message of its filter
+        acknowledged: `last_seq` (the stream's last, read before this) where nothing is left
+        to deliver or to acknowledge, else its ack floor (the last message of its filter it
+        acknowledged, which lags the stream's last by the messages outside its filter)."""
+        with mapped(f"asking about consumer {durable}", self._denials):
+            info = await self._js.consumer_info(subjects.STREAM, durable)
+        if not info.num_pending and not info.num_ack_pending:
+            return last_seq
+        return int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
+
+    async def purge_below(self, seq: int) -> None:
+        """Remove every message the stream holds below sequence `seq` (its head: whole blocks)."""
+        with mapped(f"removing the stream's messages below {seq}", self._denials):
+            await self._js.purge_stream(subjects.STREAM, seq=seq)
 
     async def purge(self, subject: str) -> None:
         """Remove every message the stream holds on `subject` (a wildcard: a whole call)."""
