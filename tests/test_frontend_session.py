@@ -220,6 +220,9 @@ class OpeningBus:
     async def create(self, key: str, value: bytes) -> int:
         return 1
 
+    def stored_to(self) -> int:
+        return 0  # no store acknowledged yet: the call's open says its floor is not known
+
     async def release(self, key: str, owner: bytes, revision: int = 0) -> None:
         self.log.append(f"release {key}")
 

@@ -61,7 +61,7 @@ class Janitor:
         self._floors: dict[str, int] = {}  # finished call -> its messages are above this (0: not known)
         self._lasts: dict[str, int] = {}  # finished call -> its fin's stream sequence (0: not known)
         self._marks: deque[tuple[float, int]] = deque()  # (monotonic time, the stream's last sequence then)
-        self._going: dict[str, tuple[int, int]] = {}  # this round's plan: cid -> (floor, last)
+        self._going: set[str] = set()  # this round's plan
 
     def __len__(self) -> int:
         """Finished calls the stream still holds, as far as this janitor knows."""
@@ -87,13 +87,17 @@ class Janitor:
             self.ended(cid, now)
 
     def again(self, cids: list[str]) -> None:
-        """Removals that failed: tried again in a later round (by subject: their floors are
-        not known any more, which holds the head's cut where it is meanwhile)."""
+        """Removals that failed: tried again in a later round."""
         for cid in cids:
             if cid not in self._known:
                 self._known.add(cid)
-                self._floors[cid], self._lasts[cid] = 0, 0
                 heapq.heappush(self._ready, cid)
+
+    def removed(self, cids: list[str]) -> None:
+        """These calls are gone from the stream: their floors hold the cut no more."""
+        for cid in cids:
+            self._floors.pop(cid, None)
+            self._lasts.pop(cid, None)
 
     def full(self, stream_bytes: int) -> bool:
         return stream_bytes >= self.hard_max_bytes
@@ -115,7 +119,7 @@ class Janitor:
             while self._ready and len(out) < min(BATCH, wanted):
                 out.append(heapq.heappop(self._ready))
         self._known.difference_update(out)
-        self._going = {cid: (self._floors.pop(cid, 0), self._lasts.pop(cid, 0)) for cid in out}
+        self._going = set(out)
         return out
 
     def mark(self, now: float, last_seq: int) -> None:
@@ -140,8 +144,8 @@ class Janitor:
         `live_floor`: the lowest floor of the calls the conductor holds (None: it holds none;
         0: one not known); `read_to`: the conductor has read its consumer up to this sequence."""
         cut = self._cut(live_floor, read_to, now)
-        rest = [cid for cid, (_, last) in self._going.items() if not 0 < last < cut]
-        self._going = {}
+        rest = [cid for cid in sorted(self._going) if not 0 < self._lasts.get(cid, 0) < cut]
+        self._going = set()
         return cut, rest
 
     def _cut(self, live_floor: int | None, read_to: int, now: float) -> int:
@@ -149,7 +153,7 @@ class Janitor:
         opened = self._mark_before(now - HEAD_LAG_S + OPEN_WITHIN_S)
         if old is None or opened is None or read_to < opened:
             return 0  # a call with a message below it may not be known yet
-        floors = [old, *self._floors.values()]  # the finished calls still kept
+        floors = [old, *(f for cid, f in self._floors.items() if cid not in self._going)]  # finished calls kept
         if live_floor is not None:
             floors.append(live_floor)
         lowest = min(floors)

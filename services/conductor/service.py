@@ -232,8 +232,11 @@ class ConductorService:
         return writes
 
     async def _fin(self, a: core.PublishFin) -> None:
-        seq = await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))
-        self.janitor.ended(a.cid, time.monotonic(), a.floor, seq)  # its messages may go from now on (retention.py)
+        seq = 0
+        try:
+            seq = await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))
+        finally:  # its messages may go from now on (retention.py); where the fin was not stored, by subject
+            self.janitor.ended(a.cid, time.monotonic(), a.floor, seq)
 
     async def _janitor(self) -> None:
         """Keep the stream within retention by removing finished calls (retention.py); tell
@@ -298,19 +301,19 @@ class ConductorService:
         if cut > stream.first_seq:
             try:
                 await self.bus.purge_below(cut)
-                self.removed += len(cids) - len(rest)
                 self.cuts += 1
             except BusError as e:  # by subject, as they would have gone without the cut
                 log.warning("cutting the stream's head below %d failed (%s); removing calls one by one", cut, e)
                 rest = cids
-        else:
-            rest = cids
-        cids = rest
-        for i in range(0, len(cids), PURGES_AT_ONCE):
-            batch = cids[i : i + PURGES_AT_ONCE]
+        whole = sorted(set(cids) - set(rest))  # below the cut: gone with it (now or at an earlier one)
+        self.janitor.removed(whole)
+        self.removed += len(whole)
+        for i in range(0, len(rest), PURGES_AT_ONCE):
+            batch = rest[i : i + PURGES_AT_ONCE]
             results = await asyncio.gather(*(self.bus.purge(subjects.call_all(c)) for c in batch), return_exceptions=True)
             errors = {c: r for c, r in zip(batch, results, strict=True) if isinstance(r, Exception)}
             self.janitor.again(list(errors))
+            self.janitor.removed([c for c in batch if c not in errors])
             self.removed += len(batch) - len(errors)
             if errors:
                 log.warning("removing %d finished calls failed (%s); trying again", len(errors), next(iter(errors.values())))

@@ -12,6 +12,7 @@ service's lifecycle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -149,6 +150,8 @@ class FrontendService:
             raise
         if self.stopping:  # stopped before it was ready: it stays not ready
             return
+        with contextlib.suppress(BusError):  # its first calls then say where they start (wire.Open.read_after)
+            await self.bus.note_tail()
         self.ready.set()
         log.info("frontend %s ready", self.frontend_id)
 

@@ -474,6 +474,12 @@ class BusConnection:
             headers, body = await self.payloads.outgoing(subject, body, headers)
             return await self.acks.publish(subject, body, headers=headers)
 
+    async def note_tail(self) -> None:
+        """Read the stream's last sequence into `stored_to`: whatever is published from now on
+        is stored after it (a process's first stores then need no ack of its own before)."""
+        last = (await self.stream_state()).last_seq
+        self.acks.stored_to[subjects.STREAM] = max(last, self.acks.stored_to.get(subjects.STREAM, 0))
+
     def stored_to(self) -> int:
         """The highest sequence of the calls stream that a store on this connection was told
         it stored: anything published on it from now on is stored after it. (A stream made
