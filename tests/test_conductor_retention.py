@@ -178,7 +178,9 @@ def test_no_cut_while_a_call_below_it_may_be_unknown_or_its_floor_is() -> None:
         return j
 
     young = retention.HEAD_LAG_S - 1.0
-    assert janitor(young).head(live_floor=None, read_to=10**6, now=young) == (0, [cid_at(NOW - 60)])
+    j0 = janitor(young)
+    assert j0.head(live_floor=None, read_to=10**6, now=young) == (0, [cid_at(NOW - 60)])
+    assert "not known from" in j0.held_by  # said in the conductor's report
     now = retention.HEAD_LAG_S + 30.0
     opened = int((now - retention.HEAD_LAG_S + retention.OPEN_WITHIN_S) * 100)  # the mark the conductor must have read to
     assert janitor(now).head(live_floor=None, read_to=opened - 1, now=now)[0] == 0
@@ -193,7 +195,7 @@ def test_no_cut_while_a_call_below_it_may_be_unknown_or_its_floor_is() -> None:
     j.ended(cid_at(NOW - 60), 0.0, floor=10, last=20)
     assert j.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now) == [cid_at(NOW - 70), cid_at(NOW - 60)]
     assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 3001  # both going: nothing kept holds it
-    j.again([cid_at(NOW - 70)])  # its purge failed: tried again by subject, and it holds the cut
+    j.again([cid_at(NOW - 70)])  # its purge failed: tried again, its floor (not known) holding the cut
     j.ended(cid_at(NOW - 50), 0.0, floor=10, last=20)
     assert j.plan(stream_bytes=1000, live_calls=0, now_wall=NOW, now=now) == []  # under max_bytes: none go
     assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 0
@@ -293,3 +295,22 @@ async def _all_gone(bus: BusConnection, cids: list[str]) -> bool:
 
 async def _messages(bus: BusConnection, cid: str) -> list[bytes]:
     return [body async for _, body, _ in bus.read_stored([subjects.call_all(cid)])]
+
+
+def test_a_removal_that_failed_keeps_its_calls_floor_and_a_removed_call_holds_the_cut_no_more() -> None:
+    """Under load, purges fail and are tried again: such a call's floor is still known (before,
+    it was taken as not known, which held every later cut at none, and the subject purges that
+    were left stalled the server). Once gone (`removed`), its floor holds nothing."""
+    now = retention.HEAD_LAG_S + 30.0
+    j = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
+    _marked(j, now)
+    failed, later = cid_at(NOW - 60), cid_at(NOW - 50)
+    j.ended(failed, 0.0, floor=100, last=200)
+    assert j.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now) == [failed]  # one call's worth: it
+    j.head(live_floor=None, read_to=10**6, now=now)
+    j.again([failed])
+    j.ended(later, 0.0, floor=2000, last=2100)
+    assert j.plan(stream_bytes=1000, live_calls=0, now_wall=NOW, now=now) == []
+    assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 101  # held at its floor, not at none
+    j.removed([failed])
+    assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 2001

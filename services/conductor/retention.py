@@ -62,6 +62,7 @@ class Janitor:
         self._lasts: dict[str, int] = {}  # finished call -> its fin's stream sequence (0: not known)
         self._marks: deque[tuple[float, int]] = deque()  # (monotonic time, the stream's last sequence then)
         self._going: set[str] = set()  # this round's plan
+        self.held_by = ""  # why the last round's cut was none (for the conductor's report)
 
     def __len__(self) -> int:
         """Finished calls the stream still holds, as far as this janitor knows."""
@@ -151,10 +152,15 @@ class Janitor:
     def _cut(self, live_floor: int | None, read_to: int, now: float) -> int:
         old = self._mark_before(now - HEAD_LAG_S)
         opened = self._mark_before(now - HEAD_LAG_S + OPEN_WITHIN_S)
-        if old is None or opened is None or read_to < opened:
-            return 0  # a call with a message below it may not be known yet
-        floors = [old, *(f for cid, f in self._floors.items() if cid not in self._going)]  # finished calls kept
-        if live_floor is not None:
-            floors.append(live_floor)
-        lowest = min(floors)
-        return lowest + 1 if lowest > 0 else 0  # 0: a floor not known
+        if old is None or opened is None:
+            self.held_by = f"the stream's size is not known from {HEAD_LAG_S:g} s back yet"
+            return 0
+        if read_to < opened:  # a call with a message below it may not be known yet
+            self.held_by = f"the conductor has read its consumer to {read_to}, not yet to {opened}"
+            return 0
+        kept = [f for cid, f in self._floors.items() if cid not in self._going]  # finished calls kept
+        if live_floor == 0 or 0 in kept:
+            self.held_by = "a call whose messages' floor is not known"
+            return 0
+        self.held_by = ""
+        return min([old, *kept, *([live_floor] if live_floor is not None else [])]) + 1

@@ -252,11 +252,13 @@ class ConductorService:
                 await asyncio.sleep(0 if e.recoverable else 30)
             if time.monotonic() > report:
                 if self.removed:
+                    held = f"; the last round's cut held: {self.janitor.held_by}" if self.janitor.held_by else ""
                     log.info(
-                        "removed %d finished calls from the stream in %.1f s (%d cuts of its head)",
+                        "removed %d finished calls from the stream in %.1f s (%d cuts of its head%s)",
                         self.removed,
                         self.removing_s,
                         self.cuts,
+                        held,
                     )
                 self.removed, self.removing_s, self.cuts, report = 0, 0.0, 0, time.monotonic() + 60
 
