@@ -133,42 +133,46 @@ def _marked(j: Janitor, until: float, every: float = 1.0, per_s: int = 100) -> N
         t += every
 
 
-def test_the_head_is_cut_below_every_kept_call_and_every_recent_message_and_the_calls_below_go_with_it() -> None:
+def test_the_head_is_cut_as_far_as_the_plans_calls_need_and_the_kept_calls_allow() -> None:
     """A purge of one call's subjects cost the server 19 ms on a 2 GB stream of interleaved
     calls (the janitor could not keep up with 300 calls and held the stream up for seconds);
-    a cut of its head, 100,000 messages in 73 ms. The cut stays below: the floor of every call
-    still kept (held by the conductor, ending, or finished and not chosen), and every message
-    of the last HEAD_LAG_S (a call whose open is not read yet may have one anywhere there).
-    Chosen calls whose fin is below it need nothing more; the others are purged by subject."""
-    j = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
+    a cut of its head, 100,000 messages in 73 ms. The cut goes up to the plan's calls' fins,
+    never past the floor of a call kept (held by the conductor, ending, or in its grace) nor
+    into the last HEAD_LAG_S. The removable calls it reaches go with it, those of the plan and
+    others begun beside them, whole or their heads (the rest goes with a later cut); a call of
+    the plan it does not reach is purged by subject."""
     now = retention.HEAD_LAG_S + 30.0
-    _marked(j, now)  # the stream's last sequence was 100 a second: 3000 at HEAD_LAG_S ago
-    old, older, straddles, kept = cid_at(NOW - 40, 1), cid_at(NOW - 50, 2), cid_at(NOW - 30, 3), cid_at(NOW - 1, 4)
-    j.ended(older, 0.0, floor=100, last=900)
-    j.ended(old, 0.0, floor=500, last=1500)
-    j.ended(straddles, 0.0, floor=1000, last=2600)
-    j.ended(kept, now, floor=2400, last=2900)  # in its grace: not chosen, its floor holds the cut
-    assert j.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now) == [older, old, straddles]
-    cut, rest = j.head(live_floor=5000, read_to=10**6, now=now)
-    assert cut == 2401 and rest == [straddles]
-    # the conductor holds a call whose floor is lower still: the cut follows it down
-    j3 = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
-    _marked(j3, now)
-    j3.ended(cid_at(NOW - 20, 5), 0.0, floor=1200, last=1300)
-    assert j3.plan(stream_bytes=10**6, live_calls=1, now_wall=NOW, now=now) == [cid_at(NOW - 20, 5)]
-    assert j3.head(live_floor=1350, read_to=10**6, now=now) == (1351, [])
-    # no message of the last HEAD_LAG_S goes, whatever the floors
+
+    def janitor(stream_bytes: int) -> tuple[Janitor, list[str]]:
+        j = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
+        _marked(j, now)  # the stream's last sequence was 100 a second: 3000 at HEAD_LAG_S ago
+        cids = [cid_at(NOW - 50, 1), cid_at(NOW - 40, 2), cid_at(NOW - 30, 3)]
+        for cid, (floor, last) in zip(cids, [(100, 900), (500, 1500), (1000, 2600)], strict=True):
+            j.ended(cid, 0.0, floor=floor, last=last)
+        j.ended(cid_at(NOW - 1, 4), now, floor=2400, last=2900)  # in its grace: kept
+        j.plan(stream_bytes=stream_bytes, live_calls=0, now_wall=NOW, now=now)
+        return j, cids
+
+    j, (_, old, straddles) = janitor(10**6)  # far over max_bytes: the three go
+    assert j.head(live_floor=5000, read_to=10**6, now=now) == (2401, [], [])  # held by the call in its grace
+    j, _ = janitor(1500)  # a little over: the plan takes the two oldest, and the third goes beside them
+    assert j.head(live_floor=5000, read_to=10**6, now=now) == (1501, [], [straddles])
+    assert len(j) == 1  # only the call in its grace is left
+    j, _ = janitor(1500)
+    assert j.head(live_floor=400, read_to=10**6, now=now) == (401, [old], [])  # a held call's floor: old by subject
+    # nothing stored in the last HEAD_LAG_S goes, whatever the fins
     j2 = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
     _marked(j2, now)
     j2.ended(cid_at(NOW - 60), 0.0, floor=10, last=4000)
     j2.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now)
-    assert j2.head(live_floor=None, read_to=10**6, now=now) == (3001, [cid_at(NOW - 60)])
+    assert j2.head(live_floor=None, read_to=10**6, now=now) == (3001, [], [])
 
 
 def test_no_cut_while_a_call_below_it_may_be_unknown_or_its_floor_is() -> None:
     """No cut: before the marks reach HEAD_LAG_S back; while the conductor has not read its
     consumer up to what was stored OPEN_WITHIN_S after that (an open on its way); while a call
-    held, ending, found at start or failed to go has no floor (0: a frontend before wire 1.5)."""
+    held or ending has no floor (0: a frontend before wire 1.5). A call of the plan whose
+    floor is not known (found in the stream at start) is purged by subject."""
 
     def janitor(until: float) -> Janitor:
         j = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
@@ -179,12 +183,13 @@ def test_no_cut_while_a_call_below_it_may_be_unknown_or_its_floor_is() -> None:
 
     young = retention.HEAD_LAG_S - 1.0
     j0 = janitor(young)
-    assert j0.head(live_floor=None, read_to=10**6, now=young) == (0, [cid_at(NOW - 60)])
+    assert j0.head(live_floor=None, read_to=10**6, now=young) == (0, [cid_at(NOW - 60)], [])
     assert "not known from" in j0.held_by  # said in the conductor's report
     now = retention.HEAD_LAG_S + 30.0
     opened = int((now - retention.HEAD_LAG_S + retention.OPEN_WITHIN_S) * 100)  # the mark the conductor must have read to
-    assert janitor(now).head(live_floor=None, read_to=opened - 1, now=now)[0] == 0
-    assert janitor(now).head(live_floor=None, read_to=opened, now=now)[0] == 3001
+    j1 = janitor(now)
+    assert j1.head(live_floor=None, read_to=opened - 1, now=now)[0] == 0 and "read its consumer" in j1.held_by
+    assert janitor(now).head(live_floor=None, read_to=opened, now=now) == (21, [], [])
     assert janitor(now).head(live_floor=0, read_to=10**6, now=now)[0] == 0  # a held call's floor not known
     j = janitor(now)
     j.ending(cid_at(NOW), 0)
@@ -194,11 +199,24 @@ def test_no_cut_while_a_call_below_it_may_be_unknown_or_its_floor_is() -> None:
     j.found([cid_at(NOW - 70)], 0.0)
     j.ended(cid_at(NOW - 60), 0.0, floor=10, last=20)
     assert j.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now) == [cid_at(NOW - 70), cid_at(NOW - 60)]
-    assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 3001  # both going: nothing kept holds it
-    j.again([cid_at(NOW - 70)])  # its purge failed: tried again, its floor (not known) holding the cut
-    j.ended(cid_at(NOW - 50), 0.0, floor=10, last=20)
-    assert j.plan(stream_bytes=1000, live_calls=0, now_wall=NOW, now=now) == []  # under max_bytes: none go
-    assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 0
+    assert j.head(live_floor=None, read_to=10**6, now=now) == (21, [cid_at(NOW - 70)], [])
+
+
+def test_a_removal_that_failed_keeps_its_calls_floor() -> None:
+    """Under load, removals fail and are tried again: such a call's floor is still known, so a
+    later cut takes it (before, it was taken as not known, which held every later cut at none,
+    and the subject purges left stalled the server)."""
+    now = retention.HEAD_LAG_S + 30.0
+    j = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
+    _marked(j, now)
+    failed, later = cid_at(NOW - 60), cid_at(NOW - 50)
+    j.ended(failed, 0.0, floor=100, last=200)
+    assert j.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now) == [failed]
+    assert j.head(live_floor=None, read_to=10**6, now=now) == (201, [], [])
+    j.again([failed])  # the cut failed: it waits for a later round
+    j.ended(later, 0.0, floor=2000, last=2100)
+    assert j.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now) == [failed, later]
+    assert j.head(live_floor=None, read_to=10**6, now=now) == (2101, [], [])
 
 
 async def test_finished_calls_go_with_a_cut_of_the_streams_head_and_a_held_call_keeps_every_message(
@@ -295,22 +313,3 @@ async def _all_gone(bus: BusConnection, cids: list[str]) -> bool:
 
 async def _messages(bus: BusConnection, cid: str) -> list[bytes]:
     return [body async for _, body, _ in bus.read_stored([subjects.call_all(cid)])]
-
-
-def test_a_removal_that_failed_keeps_its_calls_floor_and_a_removed_call_holds_the_cut_no_more() -> None:
-    """Under load, purges fail and are tried again: such a call's floor is still known (before,
-    it was taken as not known, which held every later cut at none, and the subject purges that
-    were left stalled the server). Once gone (`removed`), its floor holds nothing."""
-    now = retention.HEAD_LAG_S + 30.0
-    j = Janitor(max_age_s=DAY, max_bytes=1000, hard_max_bytes=10**9)
-    _marked(j, now)
-    failed, later = cid_at(NOW - 60), cid_at(NOW - 50)
-    j.ended(failed, 0.0, floor=100, last=200)
-    assert j.plan(stream_bytes=10**6, live_calls=0, now_wall=NOW, now=now) == [failed]  # one call's worth: it
-    j.head(live_floor=None, read_to=10**6, now=now)
-    j.again([failed])
-    j.ended(later, 0.0, floor=2000, last=2100)
-    assert j.plan(stream_bytes=1000, live_calls=0, now_wall=NOW, now=now) == []
-    assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 101  # held at its floor, not at none
-    j.removed([failed])
-    assert j.head(live_floor=None, read_to=10**6, now=now)[0] == 2001

@@ -242,6 +242,9 @@ class LookingBus:
             raise answer
         return answer
 
+    async def note_tail(self) -> None:
+        """Where the stream ends, read once ready (nothing to read here)."""
+
 
 @pytest.fixture
 def frontend(monkeypatch: pytest.MonkeyPatch) -> FrontendService:

@@ -138,18 +138,34 @@ class Janitor:
             found = seq
         return found
 
-    def head(self, live_floor: int | None, read_to: int, now: float) -> tuple[int, list[str]]:
-        """For the calls of this round's plan: where the stream's head may be cut (every
-        message below that sequence goes; 0: not this round), and those of them still to purge
-        by subject (a message at or above the cut, or their fin's sequence not known).
-        `live_floor`: the lowest floor of the calls the conductor holds (None: it holds none;
-        0: one not known); `read_to`: the conductor has read its consumer up to this sequence."""
-        cut = self._cut(live_floor, read_to, now)
-        rest = [cid for cid in sorted(self._going) if not 0 < self._lasts.get(cid, 0) < cut]
-        self._going = set()
-        return cut, rest
+    def head(self, live_floor: int | None, read_to: int, now: float) -> tuple[int, list[str], list[str]]:
+        """For the calls of this round's plan: where the stream's head is cut (every message
+        below that sequence goes; 0: not this round), those of them still to purge by subject
+        (above the cut), and the other removable calls that go with the cut.
 
-    def _cut(self, live_floor: int | None, read_to: int, now: float) -> int:
+        The cut goes as high as the plan's calls need (their fins), no higher than the calls
+        kept allow (`_limit`). Calls interleave, so other finished calls past their grace begun
+        beside the plan's straddle it: they go too, their messages below the cut with it and
+        the rest with a later cut (the stream is trimmed from its head, as a queue, while no
+        call kept is in the way). `live_floor`: the lowest floor of the calls the conductor
+        holds (None: it holds none; 0: one not known); `read_to`: the conductor has read its
+        consumer up to this sequence."""
+        going, self._going = self._going, set()
+        limit = self._limit(going, live_floor, read_to, now)
+        cut = min(limit, max((self._lasts.get(cid, 0) for cid in going), default=0) + 1)
+        if cut <= 1:
+            return 0, sorted(going), []
+        # A call whose floor is not known may have every message above the cut: not cut.
+        below = {cid for cid in going | set(self._ready) if 0 < self._floors.get(cid, 0) < cut - 1}
+        besides = below - going
+        if besides:
+            self._ready = [cid for cid in self._ready if cid not in besides]
+            heapq.heapify(self._ready)
+            self._known.difference_update(besides)
+        return cut, sorted(going - below), sorted(besides)
+
+    def _limit(self, going: set[str], live_floor: int | None, read_to: int, now: float) -> int:
+        """The highest cut the calls kept allow (0: none this round, `held_by` says why)."""
         old = self._mark_before(now - HEAD_LAG_S)
         opened = self._mark_before(now - HEAD_LAG_S + OPEN_WITHIN_S)
         if old is None or opened is None:
@@ -158,7 +174,8 @@ class Janitor:
         if read_to < opened:  # a call with a message below it may not be known yet
             self.held_by = f"the conductor has read its consumer to {read_to}, not yet to {opened}"
             return 0
-        kept = [f for cid, f in self._floors.items() if cid not in self._going]  # finished calls kept
+        removable = going | set(self._ready)
+        kept = [f for cid, f in self._floors.items() if cid not in removable]  # ending, in their grace
         if live_floor == 0 or 0 in kept:
             self.held_by = "a call whose messages' floor is not known"
             return 0

@@ -299,15 +299,16 @@ class ConductorService:
         if not cids:
             return
         start = time.monotonic()
-        cut, rest = self.janitor.head(self.core.floor(), await self._read_to(stream.last_seq), time.monotonic())
+        cut, rest, besides = self.janitor.head(self.core.floor(), await self._read_to(stream.last_seq), time.monotonic())
         if cut > stream.first_seq:
             try:
                 await self.bus.purge_below(cut)
                 self.cuts += 1
             except BusError as e:  # by subject, as they would have gone without the cut
                 log.warning("cutting the stream's head below %d failed (%s); removing calls one by one", cut, e)
-                rest = cids
-        whole = sorted(set(cids) - set(rest))  # below the cut: gone with it (now or at an earlier one)
+                self.janitor.again(besides)  # still in the stream: they wait for a later round
+                rest, besides = cids, []
+        whole = sorted((set(cids) - set(rest)) | set(besides))  # below the cut: gone with it (now or at an earlier one)
         self.janitor.removed(whole)
         self.removed += len(whole)
         for i in range(0, len(rest), PURGES_AT_ONCE):

@@ -767,3 +767,5 @@ class BusConnection:
                 await self._nc.close()
         except BusError as e:
             log.debug("%s", e)
+        except RuntimeError as e:  # nats-py writes what is pending to a transport uvloop has closed (the server gone)
+            log.debug("closing: %s", e)
