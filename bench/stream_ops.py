@@ -89,7 +89,8 @@ async def run(mb: int, live: int, rounds: int) -> None:
             await asyncio.sleep(1)
             state = (await js.stream_info(subjects.STREAM)).state
             took = time.monotonic() - t
-            print(f"stream: {state.messages:,} messages, {state.bytes / 2**20:,.0f} MB, {live} calls at a time, filled in {took:.1f} s")
+            size = f"{state.messages:,} messages, {state.bytes / 2**20:,.0f} MB"
+            print(f"stream: {size}, {live} calls at a time, filled in {took:.1f} s")
             last = int(state.last_seq)
             subject = f"call.c{live_calls[0]}.{KINDS[0]}"
             for label, seq in (("from sequence 1", 1), ("from near the call (last - 2,000)", last - 2000)):
