@@ -20,14 +20,18 @@ stream of 2 GB whose calls interleave (each block holds messages of hundreds of 
 while it runs (2 s and more, seen under load). A purge of the stream's head (every message
 below a sequence) drops whole blocks: 100,000 messages in 73 ms. So the calls to remove go
 with the head where they can: below the cut, the lowest sequence any call still kept may
-have a message at (each call's `read_after` floor: wire.Open.read_after); a call whose fin
-is below the cut is gone with it, the others are purged by subject as before. A call not
+have a message at (each call's `read_after` floor: wire.Open.read_after), as high as this
+round's calls need. Calls interleave, so other finished calls begun beside them straddle
+the cut: they go with it too, their heads now and the rest with a later cut (the stream is
+trimmed from its head as a queue). A call of the round above the cut (a kept call begun
+earlier holds it below) is purged by subject as before. A call not
 yet known (its open not read) may have messages anywhere after its frontend's floor, so the
 cut also stays above no message stored in the last `HEAD_LAG_S`, and is made only while the
 conductor has read every open stored `HEAD_LAG_S - OPEN_WITHIN_S` ago and before: a call's
 open is stored within OPEN_WITHIN_S of its first message (the frontend's patience), so any
 call with a message below the cut is known. A call whose floor is not known (a frontend
-before wire 1.5, a finished call found in the stream at start) holds the cut where it is.
+before wire 1.5) holds the cut where it is while it is kept; one found in the stream at
+start is purged by subject.
 """
 
 from __future__ import annotations
@@ -151,12 +155,13 @@ class Janitor:
         holds (None: it holds none; 0: one not known); `read_to`: the conductor has read its
         consumer up to this sequence."""
         going, self._going = self._going, set()
-        limit = self._limit(going, live_floor, read_to, now)
+        removable = going | set(self._ready)
+        limit = self._limit(removable, live_floor, read_to, now)
         cut = min(limit, max((self._lasts.get(cid, 0) for cid in going), default=0) + 1)
         if cut <= 1:
             return 0, sorted(going), []
         # A call whose floor is not known may have every message above the cut: not cut.
-        below = {cid for cid in going | set(self._ready) if 0 < self._floors.get(cid, 0) < cut - 1}
+        below = {cid for cid in removable if 0 < self._floors.get(cid, 0) < cut - 1}
         besides = below - going
         if besides:
             self._ready = [cid for cid in self._ready if cid not in besides]
@@ -164,8 +169,9 @@ class Janitor:
             self._known.difference_update(besides)
         return cut, sorted(going - below), sorted(besides)
 
-    def _limit(self, going: set[str], live_floor: int | None, read_to: int, now: float) -> int:
-        """The highest cut the calls kept allow (0: none this round, `held_by` says why)."""
+    def _limit(self, removable: set[str], live_floor: int | None, read_to: int, now: float) -> int:
+        """The highest cut the calls kept (all but `removable`) allow (0: none this round,
+        `held_by` says why)."""
         old = self._mark_before(now - HEAD_LAG_S)
         opened = self._mark_before(now - HEAD_LAG_S + OPEN_WITHIN_S)
         if old is None or opened is None:
@@ -174,7 +180,6 @@ class Janitor:
         if read_to < opened:  # a call with a message below it may not be known yet
             self.held_by = f"the conductor has read its consumer to {read_to}, not yet to {opened}"
             return 0
-        removable = going | set(self._ready)
         kept = [f for cid, f in self._floors.items() if cid not in removable]  # ending, in their grace
         if live_floor == 0 or 0 in kept:
             self.held_by = "a call whose messages' floor is not known"

@@ -700,9 +700,7 @@ class BusConnection:
     # -- retention -------------------------------------------------------------
     async def stream_bytes(self) -> int:
         """The bytes the stream holds now."""
-        with mapped("reading the stream's state", self._denials):
-            info = await self._js.stream_info(subjects.STREAM)
-        return int(info.state.bytes or 0)
+        return (await self.stream_state()).bytes
 
     async def stream_state(self) -> StreamState:
         """The bytes the stream holds now, and its first and last sequences."""
