@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import stat
 import sys
 import urllib.request
@@ -91,3 +92,20 @@ async def test_a_restart_listens_on_the_ports_it_had(tmp_path: Path) -> None:
             assert nc._server_info["server_id"] == _server_id(server.monitor_url)  # nats-py keeps INFO there
     finally:
         server.stop()
+
+
+async def test_a_cluster_whose_route_port_another_process_took_starts_on_other_ones(tmp_path: Path) -> None:
+    """A cluster's route ports are found free and then given to its nodes (the nodes must know
+    each other's): another process may take one in between, and that node exited at once
+    (seen once in a fresh clone: "nats-server exited with 1"). The nodes are made again on
+    other ports, and the cluster starts."""
+    cluster = embedded.NatsCluster(tmp_path)
+    taken = int(cluster.nodes[1].args[cluster.nodes[1].args.index("--cluster") + 1].rsplit(":", 1)[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        with cluster:
+            assert all(n.exited() is None for n in cluster.nodes)
+            assert str(taken) not in " ".join(a for n in cluster.nodes for a in n.args)
+            async with connected(cluster.url) as nc:
+                assert (await nc.jetstream().account_info()).limits is not None

