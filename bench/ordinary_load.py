@@ -519,6 +519,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rev", help="a git revision to measure instead of the working tree (its own checkout: no uncommitted change in it)"
     )
     ap.add_argument("--frontends", type=int, default=1)
+    ap.add_argument("--colocate", action="store_true", help="one worker process runs both partitions (up --colocate)")
     ap.add_argument("--nice", type=int, default=0, help="the client's niceness once the stacks are up")
     ap.add_argument("--profile", type=Path, help="py-spy profiles of this tree's stack go here (outside the repository)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the stacks' folders (their logs)")
@@ -562,7 +563,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         # Both stacks start at once (each `up` waits on its own children): half the wait.
         with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
             starting = {
-                name: pool.submit(UpStack, "echo", frontends=args.frontends, config=known_keys(cfg, src), source=src)
+                name: pool.submit(
+                    UpStack, "echo", frontends=args.frontends, colocate=args.colocate, config=known_keys(cfg, src), source=src
+                )
                 for name in names
                 for src in [base if name == "baseline" else mine]
             }

@@ -43,7 +43,7 @@ from collections import deque
 GRACE_S = 5.0
 BATCH = 256  # removals per round at most
 HEAD_LAG_S = 60.0  # the head is never cut above a message stored this recently
-OPEN_WITHIN_S = 40.0  # a call's open is stored within this of its first message (frontend STORE_PATIENCE_S, 30 s, and more)
+OPEN_WITHIN_S = 40.0  # a call's open is stored within this of its first message (bus STORE_PATIENCE_S, 30 s, and more)
 
 
 def started_s(cid: str) -> float:

@@ -18,7 +18,7 @@ from services.conductor.liveness import Liveness
 from services.conductor.observe import Observer
 from services.conductor.retention import Janitor
 from shared.bus import subjects, wire
-from shared.bus.connection import BUCKETS, BusConnection, BusMsg, conductor_consumer
+from shared.bus.connection import BUCKETS, STORE_PATIENCE_S, BusConnection, BusMsg, conductor_consumer
 from shared.bus.durable import Durable
 from shared.bus.kv import Bucket, KvEntry
 from shared.bus.readiness import Readiness
@@ -232,9 +232,11 @@ class ConductorService:
         return writes
 
     async def _fin(self, a: core.PublishFin) -> None:
+        """A fin whose ack is late is asked for again (`store_once`): the call's client waits
+        for it, and the event that ended the call is acknowledged whatever becomes of it."""
         seq = 0
         try:
-            seq = await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg))
+            seq = await self.bus.store_once(subjects.fin(a.cid), wire.encode(a.msg), STORE_PATIENCE_S)
         finally:  # its messages may go from now on (retention.py); where the fin was not stored, by subject
             self.janitor.ended(a.cid, time.monotonic(), a.floor, seq)
 

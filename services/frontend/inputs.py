@@ -17,17 +17,11 @@ from services.frontend.calls import Prepared
 from services.frontend.protocol import Append, EndInput
 from services.frontend.relayed_call import RelayedCall
 from shared.bus import subjects, wire
-from shared.bus.connection import BusConnection
+from shared.bus.connection import STORE_PATIENCE_S, BusConnection
 from shared.runtime.metrics import FrontendMetrics
 from shared.runtime.process import TimeSlice
 
 log = logging.getLogger(__name__)
-
-# A call's open and its ends of input are stored with an ack; an ack that a server slow under
-# load does not send in JetStream's 5 s is asked for again (the stream drops the repeat) for
-# this long before the call fails with 503 (once: twenty 3-minute uploads at once on 2 cores).
-STORE_PATIENCE_S = 30.0
-
 
 class InputPublisher:
     """Publishes every call's input on the frontend's one bus connection."""

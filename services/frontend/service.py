@@ -22,14 +22,14 @@ from models.registry import get_model, served_model
 from services.frontend import moves
 from services.frontend.calls import CallInput, InputState, Prepared
 from services.frontend.heartbeat import Beats
-from services.frontend.inputs import STORE_PATIENCE_S, InputPublisher
+from services.frontend.inputs import InputPublisher
 from services.frontend.outputs import Outputs
 from services.frontend.probes import BusProbe, LoopLagProbe
 from services.frontend.protocol import Append, EndInput, Opening
 from services.frontend.relayed_call import RelayedCall, Sink
 from services.frontend.socket_session import told
 from shared.bus import subjects, wire
-from shared.bus.connection import BusConnection, BusSubscription
+from shared.bus.connection import STORE_PATIENCE_S, BusConnection, BusSubscription
 from shared.bus.kv import Bucket
 from shared.bus.life import SignsOfLife
 from shared.bus.readiness import Readiness

@@ -156,6 +156,11 @@ def redacted(urls: str | None) -> str:
 
 
 CLOSE_FAILED_S = 2.0
+# A call's once-only messages (its open, ends of input, fin) are stored with an ack; an ack that
+# a server slow under load does not send in JetStream's 5 s is asked for again (the stream drops
+# the repeat) for this long (`store_once`) before the write fails (once: twenty 3-minute uploads
+# at once on 2 cores).
+STORE_PATIENCE_S = 30.0
 LEADERLESS_WAIT_S = 5.0  # a read's consumer just made on a cluster may have no leader yet (_pull)
 LEADERLESS_PAUSE_S = 0.05
 # nats-py PINGs the server every PING_INTERVAL_S and reconnects once more than
