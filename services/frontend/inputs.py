@@ -23,6 +23,7 @@ from shared.runtime.process import TimeSlice
 
 log = logging.getLogger(__name__)
 
+
 class InputPublisher:
     """Publishes every call's input on the frontend's one bus connection."""
 
