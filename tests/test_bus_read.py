@@ -3,11 +3,8 @@ from a point (a repair or recovery reads on from where the last read ended)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -15,7 +12,7 @@ from nats.js.errors import ServiceUnavailableError
 
 from shared.bus import connection, subjects
 from shared.runtime.errors import BusUnavailable
-from tests.support.bus import bus_client
+from tests.support.bus import bus_client, consumer_requests
 
 
 async def test_read_stored_reads_everything_or_on_from_a_sequence(nats_url: str) -> None:
@@ -33,25 +30,6 @@ async def test_read_stored_reads_everything_or_on_from_a_sequence(nats_url: str)
         rest = [body async for _, body, _ in conn.read_stored(filters, after=seqs[2])]
         assert rest == [b"o3", b"o4", b"fin"]
         assert [m async for m in conn.read_stored(filters, after=seqs[-1])] == []
-
-
-@contextlib.asynccontextmanager
-async def consumer_requests(nats_url: str) -> AsyncIterator[list[str]]:
-    """The JetStream consumer API requests (create, delete...) anyone sends meanwhile, as
-    their subjects: a core subscription gets a copy of each."""
-    seen: list[str] = []
-    nc = await nats.connect(nats_url)
-
-    async def saw(m: Msg) -> None:
-        seen.append(m.subject)
-
-    try:
-        await nc.subscribe("$JS.API.CONSUMER.>", cb=saw)
-        await nc.flush()
-        yield seen
-        await nc.flush()
-    finally:
-        await nc.close()
 
 
 @pytest.mark.parametrize("batch", [2, 512])

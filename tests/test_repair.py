@@ -19,6 +19,7 @@ from shared.runtime.config import parse_config
 from shared.sdk.chunking import FixedChunkPolicy, Item, StreamBuffer
 from shared.sdk.model import CallInfo, Emission, Partition, StepInput
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
+from tests.support.bus import consumer_requests
 from tests.support.poll import until
 
 
@@ -285,12 +286,14 @@ async def test_worker_reads_a_lost_item_from_the_stream(nats_url: str) -> None:
             return True
         return False
 
-    async with lossy_worker(nats_url, drop) as (svc, nc):
+    async with lossy_worker(nats_url, drop) as (svc, nc), consumer_requests(nats_url, about="call.") as consumers:
         frames, echoed, _ = await run_echo_call(svc, nc)
         await asyncio.wait_for(echoed.wait(), timeout=10)
         assert dropped == [5]
         assert frames == list(range(20))
         assert svc.intake.repairs >= 1
+    # The gap read went up to a barrier of its own, by direct gets: no consumer on the call.
+    assert consumers == [], consumers
 
 
 async def test_worker_reads_a_lost_end_and_last_item_from_the_stream(nats_url: str) -> None:

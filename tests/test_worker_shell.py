@@ -324,6 +324,47 @@ async def test_a_read_at_placement_reads_up_to_its_barrier_and_on_to_the_end_onc
     assert bounds == [41, None]
 
 
+class _Bounded:
+    """A stand-in bus whose reads up to a stored sequence do (or do not) need a consumer."""
+
+    def __init__(self, reads_direct: bool) -> None:
+        self.reads_direct = reads_direct
+
+
+@pytest.mark.parametrize("reads_direct", [True, False])
+async def test_a_gap_read_is_bounded_by_a_barrier_of_its_own_where_that_needs_no_consumer(reads_direct: bool) -> None:
+    """A gap read looks for items published before it began: stored before a barrier stored
+    then, so it reads up to that barrier (direct gets where one server holds the stream, no
+    consumer per late item); where a bounded read would need a consumer anyway, no barrier is
+    stored and the read goes on to the stream's end, as before."""
+    w = _running(["Talker"])
+    w.intake.ctx = dataclasses.replace(w.intake.ctx, bus_of=lambda: cast(BusConnection, _Bounded(reads_direct)))
+    bounds: list[int | None] = []
+    barriers = iter([41, 57])
+
+    async def barrier(call: AssignedCall) -> int | None:
+        return next(barriers)
+
+    async def read_on(call: AssignedCall, r: Any, upto: int | None = None) -> bool | None:
+        bounds.append(upto)
+        return True
+
+    w.intake._barrier = barrier  # type: ignore[method-assign]
+    w.intake._read_on = read_on  # type: ignore[method-assign]
+    reads = w.intake.reads
+    placed = reads.subscribed("c", "Talker", w.runners["Talker"].engine.input_edges(), now=0.0)
+    assert placed is not None and placed.from_start
+    w.intake._start_read(placed)
+    await asyncio.wait_for(w.calls["c"].catchups["Talker"], 5)
+    gaps = {("c", "Talker"): (("frames", 3),)}
+    assert reads.tick(0.5, gaps, []) == []  # first seen: it may still come live
+    [gap] = reads.tick(1.0, gaps, [])
+    assert gap.why.value == "gap" and not gap.from_start
+    w.intake._start_read(gap)
+    await asyncio.wait_for(w.calls["c"].catchups["Talker"], 5)
+    assert bounds == ([41, 57] if reads_direct else [41, None])
+
+
 class _Reads:
     """A stand-in bus that records the filters of each read of the stream and holds nothing."""
 

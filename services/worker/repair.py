@@ -13,7 +13,8 @@ the call's other partitions here.
   new: read its input from the start, behind a barrier (the shell stores one before
   reading, so whatever was published before the subscriptions is read).
 - **Gap.** An item known to exist (a later one, or the end count, says so) has been
-  missing for a whole period: read on from where the last read ended.
+  missing for a whole period: read on from where the last read ended (the shell bounds
+  the read by a barrier it stores first, as at placement).
 - **Stall.** A lost last item or end of stream leaves no gap: a partition whose input is
   incomplete and that got nothing for `stall_s` is read again, the wait doubling (up to
   `stall_max_s`) while such reads bring nothing, for clients that are merely idle. Only

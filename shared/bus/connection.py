@@ -485,6 +485,11 @@ class BusConnection:
         last = (await self.stream_state()).last_seq
         self.acks.stored_to[subjects.STREAM] = max(last, self.acks.stored_to.get(subjects.STREAM, 0))
 
+    @property
+    def reads_direct(self) -> bool:
+        """A read bounded by a stored sequence (`read_stored(upto=)`) needs no consumer here."""
+        return self._direct is not None
+
     def stored_to(self) -> int:
         """The highest sequence of the calls stream that a store on this connection was told
         it stored: anything published on it from now on is stored after it. (A stream made

@@ -34,6 +34,24 @@ async def connected(nats_url: str) -> AsyncIterator[Client]:
         await nc.close()
 
 
+@contextlib.asynccontextmanager
+async def consumer_requests(nats_url: str, about: str = "") -> AsyncIterator[list[str]]:
+    """The JetStream consumer API requests (create, delete...) anyone sends meanwhile, as
+    their subjects: a core subscription gets a copy of each. With `about`, only those whose
+    subject or body holds it (a consumer's create names its filter subjects)."""
+    seen: list[str] = []
+
+    async def saw(m: Any) -> None:
+        if about in m.subject or about.encode() in m.data:
+            seen.append(m.subject)
+
+    async with connected(nats_url) as nc:
+        await nc.subscribe("$JS.API.CONSUMER.>", cb=saw)
+        await nc.flush()
+        yield seen
+        await nc.flush()
+
+
 async def bucket_keys(kv: KeyValue, tries: int = 20) -> list[str]:
     """A bucket's keys. Listing is a watch, which can come back empty on a busy server: an
     empty listing is tried again, up to `tries` times in all (0.1 s apart)."""
