@@ -152,6 +152,8 @@ def up_options(args: argparse.Namespace, cfg: ServingConfig) -> UpOptions:
     """What `duplexbus up` runs: its flags, else the config's keys."""
     from duplexbus.supervisor import UpOptions
 
+    if args.nats_procs is not None and args.nats_procs < 0:
+        raise ConfigError("--nats-procs", f"must be >= 0, got {args.nats_procs}")
     return UpOptions(
         config=args.config,
         model=args.model,
@@ -163,6 +165,7 @@ def up_options(args: argparse.Namespace, cfg: ServingConfig) -> UpOptions:
         colocate=args.colocate,
         stop_timeout=cfg.shutdown_drain_s + 5.0,  # children drain for shutdown_drain_s before they exit
         nats_monitor_port=args.nats_monitor_port or cfg.nats_monitor_port,
+        nats_procs=args.nats_procs if args.nats_procs is not None else cfg.nats_procs,
         health_host=cfg.health_host,  # not --host: a frontend open to the network leaves these on loopback
     )
 
@@ -304,6 +307,12 @@ def build_parser(named: str | None = None) -> argparse.ArgumentParser:
         type=int,
         help="the embedded nats-server's monitoring port, /healthz /varz /jsz (default: the config's "
         "`nats_monitor_port`, else a free one; printed at start)",
+    )
+    up.add_argument(
+        "--nats-procs",
+        type=int,
+        help="the embedded nats-server's GOMAXPROCS, 0 for Go's own (default: the config's `nats_procs`, "
+        "else half the cores, at least 1; $GOMAXPROCS where set)",
     )
     up.set_defaults(fn=cmd_up)
 

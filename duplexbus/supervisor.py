@@ -31,7 +31,7 @@ import msgspec
 
 from duplexbus.liveness import Life, LivenessJudge, Probe
 from services.frontend.exposure import open_warning
-from shared.bus.embedded import NatsServer, StoreInUse, free_port
+from shared.bus.embedded import NatsServer, StoreInUse, free_port, shared_procs
 from shared.runtime.config import ServingConfig
 from shared.runtime.errors import BusError
 from shared.runtime.process import die_with_parent
@@ -92,6 +92,7 @@ class UpOptions:
     colocate: bool = False  # each worker process runs every partition
     stop_timeout: float = 15.0  # per group of children; more than their shutdown_drain_s
     nats_monitor_port: int | None = None  # the embedded nats-server's monitoring port (None: a free one)
+    nats_procs: int | None = None  # the embedded nats-server's GOMAXPROCS (None: shared_procs decides)
     health_host: str = "127.0.0.1"  # where the conductor's and workers' /livez, /readyz, /metrics listen (health_host)
 
 
@@ -457,6 +458,7 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
                 log_file=log_dir / "nats-server.log",
                 monitor_port=opts.nats_monitor_port,
                 credentials=("duplexbus", secrets.token_urlsafe(24)),
+                procs=shared_procs(opts.nats_procs, os.environ, os.cpu_count() or 1),
             )
             taken = port_taken(server.host, opts.nats_monitor_port)
             if taken:
@@ -475,8 +477,9 @@ def run_up(opts: UpOptions, partitions: list[str], cfg: ServingConfig) -> int:
             save_nats_url(opts.run_dir / NATS_URL_FILE, server.client_url)
             env["NATS_URL"] = server.client_url
             cfg = msgspec.structs.replace(cfg, nats_url=server.client_url)
+            procs = f", GOMAXPROCS {server.procs}" if server.procs else ""
             print(f"nats-server (embedded) on {server.url}, store {opts.run_dir / 'nats'}, "
-                  f"monitoring on http://{server.host}:{server.monitor_port}", flush=True)  # fmt: skip
+                  f"monitoring on http://{server.host}:{server.monitor_port}{procs}", flush=True)  # fmt: skip
         else:
             from shared.bus.connection import redacted
 

@@ -18,7 +18,7 @@ import subprocess
 import sysconfig
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
@@ -61,6 +61,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def shared_procs(configured: int | None, environ: Mapping[str, str], cores: int) -> int:
+    """The GOMAXPROCS of a nats-server that shares the machine with the services (`duplexbus
+    up`): `configured` where given (0: Go's own); else none of ours where $GOMAXPROCS is set;
+    else half the cores, at least 1. Go's own default runs a thread per core, which on a
+    machine the Python services keep busy spends its time waking and parking them: at 300
+    live calls on 2 cores, GOMAXPROCS 1 cost the server a fifth less CPU per frame
+    (docs/performance.md, *The embedded nats-server's threads*)."""
+    if configured is not None:
+        return configured
+    if "GOMAXPROCS" in environ:
+        return 0
+    return max(1, cores // 2)
+
+
 class NatsServer:
     """Starts nats-server on free loopback ports, waits for /healthz, stops it cleanly."""
 
@@ -74,11 +88,13 @@ class NatsServer:
         credentials: tuple[str, str] | None = None,
         args: Sequence[str] = (),
         config: str = "",
+        procs: int = 0,
     ) -> None:
         """`credentials` (user, password): clients must give them (`client_url` carries them);
         without, anyone who reaches the port may connect. `args`: more of nats-server's
         options (a cluster node's: NatsCluster); `config`: more of its config file, which only
-        this user can read (where a secret goes: a command line is public)."""
+        this user can read (where a secret goes: a command line is public). `procs`: the Go
+        runtime's GOMAXPROCS for it (0: Go's own, every core, or $GOMAXPROCS where set)."""
         self.store_dir = Path(store_dir)
         self.host = host
         # 0: the server picks a free port as it listens (`-p -1`), and its ports file says which.
@@ -93,6 +109,7 @@ class NatsServer:
         self.credentials = credentials
         self.args = list(args)
         self.config = config
+        self.procs = procs
         self.proc: subprocess.Popen[bytes] | None = None
         self._binary = "nats-server"
 
@@ -138,8 +155,9 @@ class NatsServer:
         try:
             # Own process group: Ctrl-C in a terminal goes to our supervisor, which stops it last.
             # The lock's descriptor goes with it: the store stays held while this server lives.
+            env = {**os.environ, "GOMAXPROCS": str(self.procs)} if self.procs else None
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(lock,), preexec_fn=die_with_parent
+                cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True, pass_fds=(lock,), preexec_fn=die_with_parent
             )
             os.ftruncate(lock, 0)
             os.pwrite(lock, f"pid {self.proc.pid}".encode(), 0)

@@ -59,6 +59,7 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nats_creds: str | None = None
     nats_tls: TLSConfig | None = None
     nats_monitor_port: int | None = None  # the embedded nats-server's monitoring port (`duplexbus up`); None: a free one
+    nats_procs: int | None = None  # the embedded nats-server's GOMAXPROCS (`duplexbus up`); None: half the cores
     max_concurrent_requests: int = 512
     max_queued_requests: int = 64
     # Calls one client may hold on a frontend at once (live, queued or opening), so that one
@@ -148,6 +149,8 @@ class ServingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("step_window_ms", "must be >= 0")
         if self.nats_monitor_port is not None and not 0 < self.nats_monitor_port < 65536:
             raise ConfigError("nats_monitor_port", f"must be a port, 1 to 65535, got {self.nats_monitor_port}")
+        if self.nats_procs is not None and self.nats_procs < 0:
+            raise ConfigError("nats_procs", f"must be >= 0, got {self.nats_procs}")
         for key, cap in (("max_calls_per_socket", self.max_calls_per_socket), ("max_calls_per_token", self.max_calls_per_token)):
             if cap is not None and cap < 1:
                 raise ConfigError(key, f"must be >= 1, got {cap}")
