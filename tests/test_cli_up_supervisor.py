@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +17,7 @@ import pytest
 from duplexbus.supervisor import Child, UpOptions, run_up, tend, wait_http, wait_workers
 from shared.bus.embedded import free_port
 from shared.runtime.config import ServingConfig
+from tests.support.stack import up_at_terminal
 
 
 def exited_child(tmp_path: Path) -> Child:
@@ -162,21 +160,13 @@ def test_up_refuses_a_taken_monitoring_port_at_once_and_starts_nothing(
 
 def test_up_on_an_open_address_without_a_token_says_so_at_the_terminal(tmp_path: Path) -> None:
     """The frontends log the warning into their files under .run/logs; `up` itself must print it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DUPLEXBUS_TOKENS", "DUPLEXBUS_CONFIG")}
-    argv = ["up", "--model", "echo", "--host", "0.0.0.0", "--port", str(free_port("0.0.0.0")), "--run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duplexbus.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
+    argv = ["--model", "echo", "--host", "0.0.0.0", "--port", str(free_port("0.0.0.0")), "--run-dir", str(tmp_path / "run")]
+    with up_at_terminal(argv, unset=("NATS_URL", "DUPLEXBUS_TOKENS", "DUPLEXBUS_CONFIG")) as up:
         lines: list[str] = []
         while not any("duplexbus serving on" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line, f"up exited ({proc.wait(5)}) before serving: {''.join(lines)}"
+            line = up.line()
+            assert line, f"up exited ({up.proc.wait(5)}) before serving: {''.join(lines)}"
             lines.append(line)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        err = proc.communicate(timeout=40)[1]
+    err = up.err
     assert "This frontend listens on 0.0.0.0, reachable from other machines, and no bearer token is set" in err, err
     assert "Set auth.tokens" in err

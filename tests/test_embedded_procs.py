@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -20,6 +17,7 @@ import pytest
 from shared.bus.embedded import NatsServer, free_port, shared_procs
 from shared.runtime.config import parse_config
 from shared.runtime.errors import ConfigError
+from tests.support.stack import up_at_terminal
 
 
 def test_half_the_cores_at_least_one_unless_configured_or_set_in_the_environment() -> None:
@@ -48,21 +46,12 @@ def test_the_server_runs_with_the_procs_it_is_given(procs: int, monkeypatch: pyt
 
 
 def test_up_runs_its_nats_server_on_half_the_cores(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "GOMAXPROCS", "DUPLEXBUS_CONFIG")}
-    argv = ["up", "--model", "echo", "--port", str(free_port()), "--run-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duplexbus.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+    argv = ["--model", "echo", "--port", str(free_port()), "--run-dir", str(tmp_path / "run")]
+    with up_at_terminal(argv, unset=("NATS_URL", "GOMAXPROCS", "DUPLEXBUS_CONFIG")) as up:
+        line = up.line()
         assert line.startswith("nats-server (embedded)"), line
         half = max(1, (os.cpu_count() or 1) // 2)
         assert line.rstrip().endswith(f"GOMAXPROCS {half}"), line  # said at the terminal
         found = re.search(r"monitoring on (http://\S+?)(,|$)", line)
         assert found is not None, line
         assert varz_procs(found.group(1)) == half
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.communicate(timeout=40)

@@ -16,7 +16,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -446,3 +447,34 @@ class PeakRSS:
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+@dataclass
+class AtTerminal:
+    """A `duplexbus up` started as at a terminal; `err`: what it wrote to stderr, once stopped."""
+
+    proc: subprocess.Popen[str]
+    err: str = ""
+
+    def line(self) -> str:
+        """Its next line at the terminal ('' once it has exited)."""
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+
+@contextlib.contextmanager
+def up_at_terminal(argv: list[str], unset: Iterable[str] = ("NATS_URL", "DUPLEXBUS_CONFIG")) -> Iterator[AtTerminal]:
+    """`duplexbus up ARGV` in a session of its own, without the environment's `unset`
+    variables; stopped at the end as Ctrl-C stops it (SIGINT to its group)."""
+    drop = set(unset)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "duplexbus.cli", "up", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    up = AtTerminal(proc)
+    try:
+        yield up
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        up.err = proc.communicate(timeout=40)[1]
