@@ -520,7 +520,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--frontends", type=int, default=1)
     ap.add_argument("--colocate", action="store_true", help="one worker process runs both partitions (up --colocate)")
-    ap.add_argument("--config", default="{}", help="serving config keys for both stacks, as JSON (e.g. '{\"step_window_ms\": 5}')")
+    ap.add_argument("--config", default="{}", help="serving config keys for both stacks, as JSON ('{\"step_window_ms\": 5}')")
     ap.add_argument("--nice", type=int, default=0, help="the client's niceness once the stacks are up")
     ap.add_argument("--profile", type=Path, help="py-spy profiles of this tree's stack go here (outside the repository)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the stacks' folders (their logs)")
