@@ -73,7 +73,7 @@ async def main() -> None:
         conductor._bus = await BusConnection.open(conductor.config, "bench-janitor")
         try:
             messages, fill_s = await fill(nc, args.calls, args.items)
-            full = await conductor.bus.stream_bytes()
+            full = (await conductor.bus.stream_state()).bytes
             print(f"stream: {args.calls} finished calls, {messages} messages, {full / 1e6:.0f} MB (filled in {fill_s:.1f} s)")
             t = time.perf_counter()
             await conductor._find_finished()
@@ -81,12 +81,12 @@ async def main() -> None:
             print(f"start-up listing of the finished calls: {listing_ms:.0f} ms for {len(conductor.janitor)}")
             conductor.janitor.max_bytes = full // 4
             server_cpu, own_cpu, t = cpu_s(server.proc.pid), time.process_time(), time.perf_counter()
-            while await conductor.bus.stream_bytes() > full // 4:
+            while (await conductor.bus.stream_state()).bytes > full // 4:
                 await conductor._clean()
             wall = time.perf_counter() - t
             server_cpu, own_cpu = cpu_s(server.proc.pid) - server_cpu, time.process_time() - own_cpu
             n = conductor.removed
-            left = await conductor.bus.stream_bytes()
+            left = (await conductor.bus.stream_state()).bytes
             print(f"removed {n} calls ({(full - left) / 1e6:.0f} MB) in {wall:.2f} s: {n / wall:.0f} calls/s")
             print("| per call removed | wall | nats-server CPU | conductor CPU |")
             print("|---|---|---|---|")

@@ -94,9 +94,13 @@ class Acks:
         ack = json.loads(msg.data)
         if "error" in ack:
             APIError.from_error(ack["error"])  # raises the error's own class, as nats-py's publish does
-        seq, stream = int(ack["seq"]), str(ack.get("stream", ""))
-        self.stored_to[stream] = max(seq, self.stored_to.get(stream, 0))
+        seq = int(ack["seq"])
+        self.saw(str(ack.get("stream", "")), seq)
         return seq
+
+    def saw(self, stream: str, seq: int) -> None:
+        """`stream` holds sequence `seq`: anything published from now on is stored after it."""
+        self.stored_to[stream] = max(seq, self.stored_to.get(stream, 0))
 
 
 def _expire(fut: asyncio.Future[Msg]) -> None:

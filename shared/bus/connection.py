@@ -482,8 +482,7 @@ class BusConnection:
     async def note_tail(self) -> None:
         """Read the stream's last sequence into `stored_to`: whatever is published from now on
         is stored after it (a process's first stores then need no ack of its own before)."""
-        last = (await self.stream_state()).last_seq
-        self.acks.stored_to[subjects.STREAM] = max(last, self.acks.stored_to.get(subjects.STREAM, 0))
+        self.acks.saw(subjects.STREAM, (await self.stream_state()).last_seq)
 
     @property
     def reads_direct(self) -> bool:
@@ -708,10 +707,6 @@ class BusConnection:
         return Announcement(svc)
 
     # -- retention -------------------------------------------------------------
-    async def stream_bytes(self) -> int:
-        """The bytes the stream holds now."""
-        return (await self.stream_state()).bytes
-
     async def stream_state(self) -> StreamState:
         """The bytes the stream holds now, and its first and last sequences."""
         with mapped("reading the stream's state", self._denials):
