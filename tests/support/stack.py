@@ -28,6 +28,13 @@ from duplexbus.supervisor import saved_nats_url
 from shared.bus.embedded import NatsCluster, free_port
 from tests.support import bus
 
+# The bound on a stack's processes coming up (a frontend ready, a worker's heartbeat stored). A
+# worker registers once its model is loaded: the voice models take 5 s on an idle machine, and
+# more than 30 s once in a fresh clone's first minute (beside the container tests' image build and the
+# other xdist worker's stacks), which a bound of 30 s failed. Coming up is not what these tests
+# measure (where it is, they pass their own bound); `duplexbus up` gives them 120 s too.
+START_S = 120.0
+
 
 class Proc:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, pass_fds: tuple[int, ...] = ()) -> None:
@@ -151,7 +158,7 @@ class Stack(Served):
             await self.wait_ready(port)
         return self
 
-    async def wait_ready(self, port: int, timeout: float = 60.0) -> None:
+    async def wait_ready(self, port: int, timeout: float = START_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
@@ -167,9 +174,13 @@ class Stack(Served):
             await asyncio.sleep(0.1)
         raise TimeoutError(f"frontend on {port} not ready:\n" + "\n".join(p.tail(10) for p in self.procs.values()))
 
-    async def wait_workers(self, n: int, timeout: float = 30.0) -> None:
-        """Until n worker heartbeats are in the bucket."""
-        await bus.wait_workers(self.nats_url, n, timeout)
+    async def wait_workers(self, n: int, timeout: float = START_S) -> None:
+        """Until n worker heartbeats are in the bucket; past `timeout`, a TimeoutError with the
+        processes' logs (a worker still loading its model reads differently from one that died)."""
+        try:
+            await bus.wait_workers(self.nats_url, n, timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e} within {timeout:.0f} s:\n{self.logs()}") from None
 
     async def workers_of_live_calls(self) -> dict[str, str]:
         """partition -> the test's process name of the worker the conductor placed it on, from
