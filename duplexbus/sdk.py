@@ -9,7 +9,7 @@ project's pure SDK modules, no torch and nothing of the services.
 """
 
 from shared.runtime.errors import BadRequest, ConfigError, Overloaded
-from shared.sdk.audio import Resampler, b64_pcm16, decode_audio_file, encode_wav, pcm16_from_b64, resample_pcm16
+from shared.sdk.audio import Resampler, b64_pcm16, decode_audio_file, encode_wav, pcm16_bytes, pcm16_from_b64, resample_pcm16
 from shared.sdk.chunking import CatchUpChunkPolicy, Chunk, ChunkPolicy, FixedChunkPolicy, Item
 from shared.sdk.model import (
     CallInfo,
@@ -91,6 +91,7 @@ __all__ = [  # sorted (ruff); grouped by what they are for in docs/models.md
     "decode_audio_file",
     "encode_wav",
     "find_client_streams",
+    "pcm16_bytes",
     "pcm16_from_b64",
     "resample_pcm16",
 ]

@@ -36,7 +36,7 @@ from duplexbus.sdk import (
     StepInput,
     TurnSettings,
     TurnTaking,
-    b64_pcm16,
+    pcm16_bytes,
     pcm16_from_b64,
 )
 
@@ -102,7 +102,7 @@ class Talker(Partition):
                 assert item.data is not None
                 i = self._frames[s.cid]
                 self._frames[s.cid] = i + 1
-                audio = b64_pcm16(item.data)
+                audio = pcm16_bytes(item.data)  # base64 only for a JSON client, made by the worker
                 out.append(Output(s.cid, {"frame": i, "audio": audio, "rms": item.meta.get("rms", 0.0)}))
         return out
 

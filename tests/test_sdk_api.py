@@ -63,6 +63,7 @@ STABLE = frozenset(
         "b64_pcm16",
         "decode_audio_file",
         "encode_wav",
+        "pcm16_bytes",
         "pcm16_from_b64",
         "resample_pcm16",
     }

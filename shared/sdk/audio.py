@@ -77,6 +77,13 @@ def b64_pcm16(pcm: np.ndarray) -> str:
     return pybase64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")
 
 
+def pcm16_bytes(pcm: np.ndarray) -> bytes:
+    """PCM16 LE samples as bytes, for a field of a model's `binary_fields`: a client that reads
+    msgpack gets them as they are, a JSON client as the base64 text `b64_pcm16` makes (the
+    worker encodes it), so neither pays for base64 it does not read."""
+    return np.asarray(pcm, dtype="<i2").tobytes()
+
+
 def pcm16_from_b64(data: str) -> np.ndarray:
     return np.frombuffer(pybase64.b64decode(data), dtype="<i2").copy()
 

@@ -118,8 +118,9 @@ class Model(ABC):
     name: ClassVar[str]
     topology: PartitionTopology
     binary_fields: ClassVar[tuple[str, ...]] = ("audio",)
-    """Top-level fields of this model's output events that hold base64 text (`b64_pcm16`).
-    A client that opened its call in msgpack gets them as raw bytes, no base64 to undo."""
+    """Top-level fields of this model's output events that hold audio: bytes (`pcm16_bytes`),
+    which a JSON client gets as base64 text, or base64 text (`b64_pcm16`). A client that
+    opened its call in msgpack gets either as raw bytes, no base64 to undo."""
 
     def client_edges(self) -> dict[str, Connection]:
         return self.topology.client_edges()
