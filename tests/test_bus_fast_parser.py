@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.protocol import parser as nats_parser
 
+from bench import nats_py_paths
 from shared.bus import internals
 
 DIRECT, QUEUED, ONCE, UNKNOWN = 1, 2, 3, 99
@@ -220,3 +221,9 @@ async def test_a_guarded_client_reads_every_message_of_a_real_server_in_order(na
         assert queued == [str(i).encode() for i in range(0, 3000, 10)]
     finally:
         await nc.close()
+
+
+async def test_the_benchmark_of_both_paths_runs_and_counts_every_message(nats_url: str) -> None:
+    for guarded in (False, True):
+        assert 0 < await nats_py_paths.read_us(nats_url, guarded, 100, 200) < 1e4  # asserts every message arrived
+        assert 0 < await nats_py_paths.publish_us(nats_url, guarded, 100, 200) < 1e4

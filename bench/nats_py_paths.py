@@ -1,0 +1,123 @@
+"""What one message costs a service in nats-py's read loop and publish: nats-py's own client
+against the project's `GuardedClient` (shared/bus/internals.py), in one process, on a
+nats-server of its own.
+
+    .venv/bin/python -m bench.nats_py_paths                 # 5 pairs, interleaved
+    .venv/bin/python -m bench.nats_py_paths --pairs 9 --size 2700
+
+- **read**: the bytes of `MSG` lines as a server sends them (20 messages a read, each of
+  `--size` bytes, to a direct subscription whose handler counts them), fed to the client's
+  parser as its read loop feeds them; µs a message.
+- **publish**: `await client.publish(subject, payload)` with the loop given back every 20
+  publishes, as a busy service does (its flusher writes in between); µs a publish.
+
+Each pair runs nats-py's client then GuardedClient, the best of 5 repeats each; it prints
+each pair and the median of each side and of their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.protocol.parser import Parser
+
+from shared.bus.embedded import NatsServer
+from shared.bus.internals import GuardedClient, subscribe_direct
+
+SUBJECT = "call.0123456789abcdef.in.audio_in"
+PER_READ = 20  # messages in one read of the socket, and publishes between two turns of the loop
+REPEATS = 5
+
+
+async def _connected(url: str, guarded: bool) -> Client:
+    nc = GuardedClient() if guarded else Client()
+    await nc.connect(url)
+    return nc
+
+
+async def read_us(url: str, guarded: bool, size: int, n: int) -> float:
+    nc = await _connected(url, guarded)
+    try:
+        got = 0
+
+        def count(m: Msg) -> None:
+            nonlocal got
+            got += 1
+
+        sub = await subscribe_direct(nc, SUBJECT, count)
+        if not guarded:
+            nc._ps = Parser(nc)
+        one = b"MSG %s %d %d\r\n" % (SUBJECT.encode(), sub._id, size) + bytes(size) + b"\r\n"
+        chunk = one * PER_READ
+
+        async def run() -> None:
+            for _ in range(n // PER_READ):
+                await nc._ps.parse(chunk)
+
+        best = await _best(run, n)
+        assert got == REPEATS * (n // PER_READ) * PER_READ, "a message was not handed over"
+        return best
+    finally:
+        await nc.close()
+
+
+async def publish_us(url: str, guarded: bool, size: int, n: int) -> float:
+    nc = await _connected(url, guarded)
+    try:
+        payload = bytes(size)
+
+        async def run() -> None:
+            for i in range(n):
+                await nc.publish(SUBJECT, payload)
+                if i % PER_READ == 0:
+                    await asyncio.sleep(0)
+
+        best = await _best(run, n)
+        await nc.flush()
+        return best
+    finally:
+        await nc.close()
+
+
+async def _best(run: Callable[[], Awaitable[None]], n: int) -> float:
+    best = float("inf")
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        await run()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+async def main(url: str, pairs: int, size: int, n: int) -> None:
+    for name, measure in (("read", read_us), ("publish", publish_us)):
+        rows = []
+        for i in range(pairs):
+            plain = await measure(url, False, size, n)
+            guarded = await measure(url, True, size, n)
+            rows.append((plain, guarded))
+            print(f"{name} pair {i + 1}: nats-py {plain:.2f} µs, GuardedClient {guarded:.2f} µs")
+        plain_m = statistics.median(p for p, _ in rows)
+        guarded_m = statistics.median(g for _, g in rows)
+        ratio = statistics.median(g / p for p, g in rows)
+        print(f"{name}: median nats-py {plain_m:.2f} µs, GuardedClient {guarded_m:.2f} µs, ratio {ratio:.2f}")
+
+
+def cli() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--size", type=int, default=2700, help="payload bytes (an 80 ms msgpack append is about 2,700)")
+    ap.add_argument("--messages", type=int, default=20_000, help="messages in each repeat")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="duplexbus-nats-paths-") as store, NatsServer(store) as server:
+        asyncio.run(main(server.client_url, args.pairs, args.size, args.messages))
+
+
+if __name__ == "__main__":
+    cli()
