@@ -1,6 +1,6 @@
-"""What one message costs a service in nats-py's read loop and publish: nats-py's own client
-against the project's `GuardedClient` (shared/bus/internals.py), in one process, on a
-nats-server of its own.
+"""What one message costs a service in nats-py's read loop, and a publish: nats-py's own
+client against the project's `GuardedClient` (shared/bus/internals.py, whose parser is
+`FastParser`), in one process, on a nats-server of its own.
 
     .venv/bin/python -m bench.nats_py_paths                 # 5 pairs, interleaved
     .venv/bin/python -m bench.nats_py_paths --pairs 9 --size 2700
@@ -9,7 +9,9 @@ nats-server of its own.
   `--size` bytes, to a direct subscription whose handler counts them), fed to the client's
   parser as its read loop feeds them; µs a message.
 - **publish**: `await client.publish(subject, payload)` with the loop given back every 20
-  publishes, as a busy service does (its flusher writes in between); µs a publish.
+  publishes, as a busy service does (its flusher writes in between); µs a publish. Both
+  clients publish through nats-py's own path: a baseline for the read's figures, and a check
+  that `GuardedClient` costs a publish nothing more.
 
 Each pair runs nats-py's client then GuardedClient, the best of 5 repeats each; it prints
 each pair and the median of each side and of their ratios.

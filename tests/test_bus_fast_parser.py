@@ -1,14 +1,13 @@
-"""`GuardedClient`'s read loop (`internals.FastParser`) and publish: the messages it takes in
-its own loop reach their handlers exactly as nats-py's parser hands them over, whatever the
-reads' cuts, and what it does not take (headers, other subscriptions, unknown ids) goes the old
-way, in order; a publish queues the bytes nats-py's would, with its checks, errors and counts.
+"""`GuardedClient`'s read loop (`internals.FastParser`): the messages it takes in its own loop
+reach their handlers exactly as nats-py's parser hands them over, whatever the reads' cuts, and
+what it does not take (headers, other subscriptions, unknown ids) goes the old way, in order.
 Pure (a client never connected, fed bytes by hand), then against a real nats-server."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -122,65 +121,6 @@ def test_without_the_parsers_internals_the_client_keeps_nats_pys_parser(monkeypa
     assert "nats.protocol.parser.MAX_CONTROL_LINE_SIZE" in internals.missing_client_internals(nc)
 
 
-def _as_if_connected(nc: Client) -> None:
-    """A client never connected in the state publish sees once it is (its flusher running)."""
-    nc._status = Client.CONNECTED
-    nc._max_pending_size = 2 * 1024 * 1024  # nats-py's default, set as it connects
-    nc._flush_queue = asyncio.Queue(maxsize=1024)
-    # Not done: publishes queue for it.
-    nc._flusher_task = cast("asyncio.Task[Any]", asyncio.get_running_loop().create_future())
-
-
-async def test_a_publish_queues_the_bytes_and_counts_of_nats_pys_own() -> None:
-    fast, plain = internals.GuardedClient(), Client()
-    rng = random.Random(3)
-    for nc in (fast, plain):
-        _as_if_connected(nc)
-    for i in range(300):
-        body = rng.randbytes(rng.choice([0, 9, 2600]))
-        reply = "_INBOX.x" if i % 7 == 0 else ""
-        headers = {"Nats-Msg-Id": str(i)} if i % 9 == 0 else None
-        subject = f"call.c{i}.in.audio_in" if i % 2 else f"call.c{i}.out"
-        for nc in (fast, plain):
-            await nc.publish(subject, body if i % 3 else cast(bytes, bytearray(body)), reply=reply, headers=headers)
-    assert b"".join(fast._pending) == b"".join(plain._pending)
-    assert len(fast._pending) > len(plain._pending)  # the plain ones queued as line and payload, not one copy
-    assert fast._pending_data_size == plain._pending_data_size
-    assert fast.stats == plain.stats
-    assert fast._flush_queue is not None and plain._flush_queue is not None
-    assert fast._flush_queue.qsize() == plain._flush_queue.qsize() == 1  # the flusher kicked once
-
-
-async def test_a_copy_of_the_payload_is_sent_not_a_buffer_the_caller_changes_later() -> None:
-    nc = internals.GuardedClient()
-    _as_if_connected(nc)
-    body = bytearray(b"before")
-    await nc.publish("s", cast(bytes, body))
-    body[:] = b"after!"
-    assert b"".join(nc._pending) == b"PUB s  6\r\nbefore\r\n"
-
-
-@pytest.mark.parametrize(
-    ("subject", "size", "status", "error"),
-    [
-        ("a b", 1, Client.CONNECTED, "BadSubjectError"),
-        ("", 1, Client.CONNECTED, "BadSubjectError"),
-        ("a\r\nPUB x", 1, Client.CONNECTED, "BadSubjectError"),
-        ("ok", 2 * 1024 * 1024, Client.CONNECTED, "MaxPayloadError"),
-        ("ok", 1, Client.CLOSED, "ConnectionClosedError"),
-        ("ok", 1, Client.DRAINING_PUBS, "ConnectionDrainingError"),
-    ],
-)
-async def test_a_publish_is_refused_as_nats_py_refuses_it(subject: str, size: int, status: int, error: str) -> None:
-    for nc in (internals.GuardedClient(), Client()):
-        _as_if_connected(nc)
-        nc._status = status
-        with pytest.raises(Exception) as e:
-            await nc.publish(subject, bytes(size))
-        assert type(e.value).__name__ == error
-        assert not nc._pending and nc.stats["out_msgs"] == 0
-
-
 async def test_a_guarded_client_reads_every_message_of_a_real_server_in_order(nats_url: str) -> None:
     nc = internals.GuardedClient()
     await nc.connect(nats_url)
@@ -199,7 +139,7 @@ async def test_a_guarded_client_reads_every_message_of_a_real_server_in_order(na
         await nc.subscribe("fast.other", cb=on_queued)
         rng = random.Random(7)
         sent = []
-        pub = internals.GuardedClient()  # its publish too, plain and with a reply or headers
+        pub = internals.GuardedClient()
         await pub.connect(nats_url)
         try:
             for i in range(3000):
@@ -223,7 +163,6 @@ async def test_a_guarded_client_reads_every_message_of_a_real_server_in_order(na
         await nc.close()
 
 
-async def test_the_benchmark_of_both_paths_runs_and_counts_every_message(nats_url: str) -> None:
+async def test_the_benchmark_of_both_read_paths_runs_and_counts_every_message(nats_url: str) -> None:
     for guarded in (False, True):
         assert 0 < await nats_py_paths.read_us(nats_url, guarded, 100, 200) < 1e4  # asserts every message arrived
-        assert 0 < await nats_py_paths.publish_us(nats_url, guarded, 100, 200) < 1e4

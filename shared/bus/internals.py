@@ -16,27 +16,21 @@ connection deaf for minutes. `reading()` tells whether a client's read loop stil
 `nats.aio.client.Client` (`_pongs`, `_pings_outstanding`, `_reading_task`);
 `missing_client_internals()` names any an upgrade moved (tests/test_nats_py_pong.py).
 
-`GuardedClient` also takes the two things every service does thousands of times a second
-in fewer steps than nats-py does, with nats-py's bytes, checks and counts:
-- it reads a run of plain messages (`MSG`, no headers) for direct subscriptions in one loop
-  (`FastParser`): no regular expression, state change or coroutine per message (2.8 to 3.0
-  against 3.6 to 5.7 µs a message, measured alone). Everything else (headers, pings, a
-  message cut between two reads, a subscription with a queue) goes to nats-py's own parser.
-- it queues a plain publish (no reply, no headers) for nats-py's flusher in one step
-  (`publish`: 2.7 to 3.7 against 3.5 to 5.4 µs).
-These rely on the parser's `buf` and `state` and more of the client's private attributes
-(`CLIENT_PRIVATE`); where one is missing, that path is nats-py's own.
+`GuardedClient` also reads a run of plain messages (`MSG`, no headers) for direct
+subscriptions in a loop of its own (`FastParser`): no regular expression, state change or
+coroutine per message (2.53 against 3.43 µs a message, `bench/nats_py_paths.py`). Everything
+else (headers, pings, a message cut between two reads, a subscription with a queue) goes to
+nats-py's own parser. It relies on the parser's `buf` and `state` and the client's `_subs`,
+`stats` and `msg_class` (`CLIENT_PRIVATE`); where one is missing, the parser is nats-py's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 from typing import Any
 
-from nats import errors as nats_errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -45,12 +39,7 @@ from nats.protocol import parser as nats_parser
 log = logging.getLogger(__name__)
 
 PRIVATE = ("_pending_queue", "_wait_for_msgs_task", "_pending_size")
-PUBLISH_PRIVATE = (
-    *("_status", "_pending", "_pending_data_size", "_max_pending_size", "_max_payload", "_flush_queue"),
-    *("_skip_subject_validation", "_flush_pending", "stats"),
-)
-CLIENT_PRIVATE = ("_pongs", "_pings_outstanding", "_reading_task", "_ps", "_subs", "msg_class", *PUBLISH_PRIVATE)
-_BAD_SUBJECT = re.compile(r"[ \t\r\n]")  # what nats-py's publish refuses in a subject
+CLIENT_PRIVATE = ("_pongs", "_pings_outstanding", "_reading_task", "_ps", "_subs", "msg_class", "stats")
 PARSER_PRIVATE = ("buf", "state", "nc")
 _warned = False
 
@@ -71,7 +60,6 @@ class GuardedClient(Client):
         super().__init__()
         if not missing_parser_internals(self):
             self._ps = FastParser(self)
-        self._plain_publish = all(hasattr(self, a) for a in PUBLISH_PRIVATE)
 
     async def _process_pong(self) -> None:
         pongs = getattr(self, "_pongs", None)
@@ -80,32 +68,6 @@ class GuardedClient(Client):
             self._pings_outstanding = 0  # the server answers: not stale
             return
         await super()._process_pong()
-
-    async def publish(self, subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None) -> None:
-        """nats-py's publish. A plain one (no reply, no headers) on a connection that is up is
-        queued for the flusher here, its line and payload as they are: no two coroutines and no
-        copy of the payload each time (2.7 to 3.7 against 3.5 to 5.4 µs, measured alone). The
-        bytes sent, the checks and the counts are nats-py's."""
-        plain = headers is None and not reply and self._plain_publish
-        if not plain or self._status != Client.CONNECTED or self._max_pending_size <= 0:
-            await super().publish(subject, payload, reply, headers)  # nats-py's checks and errors
-            return
-        if not self._skip_subject_validation and (not subject or _BAD_SUBJECT.search(subject)):
-            raise nats_errors.BadSubjectError
-        size = len(payload)
-        if size > self._max_payload:
-            raise nats_errors.MaxPayloadError
-        if type(payload) is not bytes:
-            payload = bytes(payload)  # as nats-py copies it: a buffer changed later is not what is sent
-        line = b"PUB %s  %d\r\n" % (subject.encode(), size)  # an empty reply between the spaces
-        self._pending += (line, payload, b"\r\n")  # written together by nats-py's flusher
-        self._pending_data_size += len(line) + size + 2
-        self.stats["out_msgs"] += 1
-        self.stats["out_bytes"] += size
-        if self._pending_data_size > self._max_pending_size:
-            await self._flush_pending(force_flush=True)
-        elif self._flush_queue is not None and self._flush_queue.empty():
-            await self._flush_pending()
 
     def _deliver_direct(self, sid: int, subject: bytearray, reply: bytearray, payload: bytes) -> bool:
         """A plain message to a direct subscription, handed over at once (False: not one,
