@@ -1,6 +1,6 @@
-"""What one message costs a service in nats-py's read loop, and a publish: nats-py's own
-client against the project's `GuardedClient` (shared/bus/internals.py, whose parser is
-`FastParser`), in one process, on a nats-server of its own.
+"""What one message costs a service in nats-py's read loop: nats-py's own client against the
+project's `GuardedClient` (shared/bus/internals.py, whose parser is `FastParser`), in one
+process, on a nats-server of its own.
 
     .venv/bin/python -m bench.nats_py_paths                 # 5 pairs, interleaved
     .venv/bin/python -m bench.nats_py_paths --pairs 9 --size 2700
@@ -8,10 +8,6 @@ client against the project's `GuardedClient` (shared/bus/internals.py, whose par
 - **read**: the bytes of `MSG` lines as a server sends them (20 messages a read, each of
   `--size` bytes, to a direct subscription whose handler counts them), fed to the client's
   parser as its read loop feeds them; µs a message.
-- **publish**: `await client.publish(subject, payload)` with the loop given back every 20
-  publishes, as a busy service does (its flusher writes in between); µs a publish. Both
-  clients publish through nats-py's own path: a baseline for the read's figures, and a check
-  that `GuardedClient` costs a publish nothing more.
 
 Each pair runs nats-py's client then GuardedClient, the best of 5 repeats each; it prints
 each pair and the median of each side and of their ratios.
@@ -34,7 +30,7 @@ from shared.bus.embedded import NatsServer
 from shared.bus.internals import GuardedClient, subscribe_direct
 
 SUBJECT = "call.0123456789abcdef.in.audio_in"
-PER_READ = 20  # messages in one read of the socket, and publishes between two turns of the loop
+PER_READ = 20  # messages in one read of the socket
 REPEATS = 5
 
 
@@ -70,24 +66,6 @@ async def read_us(url: str, guarded: bool, size: int, n: int) -> float:
         await nc.close()
 
 
-async def publish_us(url: str, guarded: bool, size: int, n: int) -> float:
-    nc = await _connected(url, guarded)
-    try:
-        payload = bytes(size)
-
-        async def run() -> None:
-            for i in range(n):
-                await nc.publish(SUBJECT, payload)
-                if i % PER_READ == 0:
-                    await asyncio.sleep(0)
-
-        best = await _best(run, n)
-        await nc.flush()
-        return best
-    finally:
-        await nc.close()
-
-
 async def _best(run: Callable[[], Awaitable[None]], n: int) -> float:
     best = float("inf")
     for _ in range(REPEATS):
@@ -98,17 +76,16 @@ async def _best(run: Callable[[], Awaitable[None]], n: int) -> float:
 
 
 async def main(url: str, pairs: int, size: int, n: int) -> None:
-    for name, measure in (("read", read_us), ("publish", publish_us)):
-        rows = []
-        for i in range(pairs):
-            plain = await measure(url, False, size, n)
-            guarded = await measure(url, True, size, n)
-            rows.append((plain, guarded))
-            print(f"{name} pair {i + 1}: nats-py {plain:.2f} µs, GuardedClient {guarded:.2f} µs")
-        plain_m = statistics.median(p for p, _ in rows)
-        guarded_m = statistics.median(g for _, g in rows)
-        ratio = statistics.median(g / p for p, g in rows)
-        print(f"{name}: median nats-py {plain_m:.2f} µs, GuardedClient {guarded_m:.2f} µs, ratio {ratio:.2f}")
+    rows = []
+    for i in range(pairs):
+        plain = await read_us(url, False, size, n)
+        guarded = await read_us(url, True, size, n)
+        rows.append((plain, guarded))
+        print(f"read pair {i + 1}: nats-py {plain:.2f} µs, GuardedClient {guarded:.2f} µs")
+    plain_m = statistics.median(p for p, _ in rows)
+    guarded_m = statistics.median(g for _, g in rows)
+    ratio = statistics.median(g / p for p, g in rows)
+    print(f"read: median nats-py {plain_m:.2f} µs, GuardedClient {guarded_m:.2f} µs, ratio {ratio:.2f}")
 
 
 def cli() -> None:

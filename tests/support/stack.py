@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from duplexbus.supervisor import saved_nats_url
+from duplexbus.supervisor import UpOptions, saved_nats_url
 from shared.bus.embedded import NatsCluster, free_port
 from tests.support import bus
 
@@ -32,8 +32,8 @@ from tests.support import bus
 # worker registers once its model is loaded: the voice models take 5 s on an idle machine, and
 # more than 30 s once in a fresh clone's first minute (beside the container tests' image build and the
 # other xdist worker's stacks), which a bound of 30 s failed. Coming up is not what these tests
-# measure (where it is, they pass their own bound); `duplexbus up` gives them 120 s too.
-START_S = 120.0
+# measure (where it is, they pass their own bound): they get what `duplexbus up` gives its own.
+START_S = UpOptions.ready_timeout
 
 
 class Proc:
