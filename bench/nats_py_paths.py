@@ -5,12 +5,14 @@ process, on a nats-server of its own.
     .venv/bin/python -m bench.nats_py_paths                 # 5 pairs, interleaved
     .venv/bin/python -m bench.nats_py_paths --pairs 9 --size 2700
 
-- **read**: the bytes of `MSG` lines as a server sends them (20 messages a read, each of
-  `--size` bytes, to a direct subscription whose handler counts them), fed to the client's
-  parser as its read loop feeds them; µs a message.
+- **read**: the bytes of `MSG` lines as a server sends them (each of `--size` bytes, to a
+  direct subscription whose handler counts them), fed to the client's parser as its read
+  loop feeds them; µs a message. Twice: in reads of 20 whole messages, then in reads of
+  16 KiB cut wherever they fall (most end inside a message, as a socket read under load
+  does).
 
 Each pair runs nats-py's client then GuardedClient, the best of 5 repeats each; it prints
-each pair and the median of each side and of their ratios.
+each pair and the median of each side and of their ratios, for each kind of read.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from shared.bus.embedded import NatsServer
 from shared.bus.internals import GuardedClient, subscribe_direct
 
 SUBJECT = "call.0123456789abcdef.in.audio_in"
-PER_READ = 20  # messages in one read of the socket
+PER_READ = 20  # messages in one read of the socket, in the "whole" reads
+CUT_READ = 16_384  # bytes in one read in the "cut" reads: most end inside a message, as under load
 REPEATS = 5
 
 
@@ -40,7 +43,7 @@ async def _connected(url: str, guarded: bool) -> Client:
     return nc
 
 
-async def read_us(url: str, guarded: bool, size: int, n: int) -> float:
+async def read_us(url: str, guarded: bool, size: int, n: int, cut: bool = False) -> float:
     nc = await _connected(url, guarded)
     try:
         got = 0
@@ -53,14 +56,19 @@ async def read_us(url: str, guarded: bool, size: int, n: int) -> float:
         if not guarded:
             nc._ps = Parser(nc)
         one = b"MSG %s %d %d\r\n" % (SUBJECT.encode(), sub._id, size) + bytes(size) + b"\r\n"
-        chunk = one * PER_READ
+        n -= n % PER_READ
+        if cut:
+            stream = one * n
+            reads = [stream[i : i + CUT_READ] for i in range(0, len(stream), CUT_READ)]
+        else:
+            reads = [one * PER_READ] * (n // PER_READ)
 
         async def run() -> None:
-            for _ in range(n // PER_READ):
-                await nc._ps.parse(chunk)
+            for data in reads:
+                await nc._ps.parse(data)
 
         best = await _best(run, n)
-        assert got == REPEATS * (n // PER_READ) * PER_READ, "a message was not handed over"
+        assert got == REPEATS * n, "a message was not handed over"
         return best
     finally:
         await nc.close()
@@ -76,16 +84,18 @@ async def _best(run: Callable[[], Awaitable[None]], n: int) -> float:
 
 
 async def main(url: str, pairs: int, size: int, n: int) -> None:
-    rows = []
-    for i in range(pairs):
-        plain = await read_us(url, False, size, n)
-        guarded = await read_us(url, True, size, n)
-        rows.append((plain, guarded))
-        print(f"read pair {i + 1}: nats-py {plain:.2f} µs, GuardedClient {guarded:.2f} µs")
-    plain_m = statistics.median(p for p, _ in rows)
-    guarded_m = statistics.median(g for _, g in rows)
-    ratio = statistics.median(g / p for p, g in rows)
-    print(f"read: median nats-py {plain_m:.2f} µs, GuardedClient {guarded_m:.2f} µs, ratio {ratio:.2f}")
+    for cut in (False, True):
+        kind = f"reads of {CUT_READ} bytes" if cut else f"reads of {PER_READ} whole messages"
+        rows = []
+        for i in range(pairs):
+            plain = await read_us(url, False, size, n, cut)
+            guarded = await read_us(url, True, size, n, cut)
+            rows.append((plain, guarded))
+            print(f"{kind}, pair {i + 1}: nats-py {plain:.2f} µs, GuardedClient {guarded:.2f} µs")
+        plain_m = statistics.median(p for p, _ in rows)
+        guarded_m = statistics.median(g for _, g in rows)
+        ratio = statistics.median(g / p for p, g in rows)
+        print(f"{kind}: median nats-py {plain_m:.2f} µs, GuardedClient {guarded_m:.2f} µs, ratio {ratio:.2f}")
 
 
 def cli() -> None:

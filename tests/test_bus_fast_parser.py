@@ -100,6 +100,58 @@ async def test_the_fast_read_hands_over_what_nats_pys_parser_does_whatever_the_c
     assert not fast._ps.buf and not plain._ps.buf
 
 
+def _plain(first: int, n: int) -> bytes:
+    """n plain messages to the direct subscription, numbered from `first`."""
+    bodies = [b"m%d" % i for i in range(first, first + n)]
+    return b"".join(b"MSG call.c1.in.audio_in %d %d\r\n%s\r\n" % (DIRECT, len(body), body) for body in bodies)
+
+
+def _slow_path(nc: Client) -> list[int]:
+    """Counts the messages that reach nats-py's own `_process_msg` (its parser's way)."""
+    slow: list[int] = []
+    process = nc._process_msg
+
+    async def counted(sid: int, *args: Any) -> None:
+        slow.append(sid)
+        await process(sid, *args)
+
+    nc._process_msg = counted  # type: ignore[method-assign,assignment]
+    return slow
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_reads_cut_inside_plain_messages_stay_on_the_fast_path(seed: int) -> None:
+    # Under load a read ends inside a message more often than not; nats-py's parser, once
+    # it held that half, took the whole next read, so most messages missed the fast loop.
+    rng = random.Random(seed)
+    data = _plain(0, 500)
+    cuts = [*sorted(rng.sample(range(1, len(data)), 200)), len(data)]
+    nc, got = _client(internals.GuardedClient)
+    slow = _slow_path(nc)
+    start = 0
+    for end in cuts:
+        await nc._ps.parse(data[start:end])
+        start = end
+    assert [m[3] for m in got] == [b"m%d" % i for i in range(500)]
+    assert slow == []
+    assert not nc._ps.buf and nc._ps.state == nats_parser.AWAITING_CONTROL_LINE
+
+
+async def test_a_plain_message_nats_pys_parser_began_is_finished_on_the_fast_path() -> None:
+    hdr = b"NATS/1.0\r\n\r\n"
+    head = b"HMSG call.c1.in.audio_in %d %d %d\r\n%shm\r\n" % (DIRECT, len(hdr), len(hdr) + 2, hdr)
+    cut = _plain(0, 1)
+    data = head + cut[:-4], cut[-4:] + _plain(1, 50)
+    nc, got = _client(internals.GuardedClient)
+    slow = _slow_path(nc)
+    await nc._ps.parse(data[0])  # the header message, and a plain one's line and part of its payload
+    assert nc._ps.state == nats_parser.AWAITING_MSG_PAYLOAD and slow == [DIRECT]
+    await nc._ps.parse(data[1])
+    assert [m[3] for m in got] == [b"hm", *(b"m%d" % i for i in range(51))]
+    assert slow == [DIRECT]  # the header message only
+    assert not nc._ps.buf and nc._ps.state == nats_parser.AWAITING_CONTROL_LINE
+
+
 async def test_a_malformed_msg_line_is_refused_as_nats_py_refuses_it() -> None:
     for bad in (b"MSG subj x 3\r\nabc\r\n", b"MSG subj 1 -3\r\nabc\r\n", b"MSG subj\r\n"):
         fast, _ = _client(internals.GuardedClient)

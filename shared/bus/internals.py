@@ -18,10 +18,12 @@ connection deaf for minutes. `reading()` tells whether a client's read loop stil
 
 `GuardedClient` also reads a run of plain messages (`MSG`, no headers) for direct
 subscriptions in a loop of its own (`FastParser`): no regular expression, state change or
-coroutine per message (2.53 against 3.43 µs a message, `bench/nats_py_paths.py`). Everything
-else (headers, pings, a message cut between two reads, a subscription with a queue) goes to
-nats-py's own parser. It relies on the parser's `buf` and `state` and the client's `_subs`,
-`stats` and `msg_class` (`CLIENT_PRIVATE`); where one is missing, the parser is nats-py's own.
+coroutine per message (2.53 against 3.43 µs a message, `bench/nats_py_paths.py`). A message
+cut between two reads waits in the buffer for the rest, as nats-py's parser keeps it. Everything
+else (headers, pings, a subscription with a queue) goes to nats-py's own parser, and a plain
+message that parser began is finished here. It relies on the parser's `buf`, `state`,
+`needed`, `header_needed` and `msg_arg` and the client's `_subs`, `stats` and `msg_class`
+(`CLIENT_PRIVATE`); where one is missing, the parser is nats-py's own.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 
 PRIVATE = ("_pending_queue", "_wait_for_msgs_task", "_pending_size")
 CLIENT_PRIVATE = ("_pongs", "_pings_outstanding", "_reading_task", "_ps", "_subs", "msg_class", "stats")
-PARSER_PRIVATE = ("buf", "state", "nc")
+PARSER_PRIVATE = ("buf", "state", "nc", "needed", "header_needed", "msg_arg")
 _warned = False
 
 
@@ -69,7 +71,7 @@ class GuardedClient(Client):
             return
         await super()._process_pong()
 
-    def _deliver_direct(self, sid: int, subject: bytearray, reply: bytearray, payload: bytes) -> bool:
+    def _deliver_direct(self, sid: int, subject: bytes | bytearray, reply: bytes | bytearray, payload: bytes) -> bool:
         """A plain message to a direct subscription, handed over at once (False: not one,
         for nats-py's `_process_msg`). Counted as nats-py counts it."""
         sub = self._subs.get(sid)
@@ -88,20 +90,33 @@ class GuardedClient(Client):
 
 
 class FastParser(nats_parser.Parser):
-    """nats-py's parser, with a loop of its own for the message a service gets most: a whole
-    `MSG` (no headers) for a direct subscription. What that loop does not take is left in
-    the buffer for nats-py's own `parse`, in order."""
+    """nats-py's parser, with a loop of its own for the message a service gets most: a plain
+    `MSG` (no headers) for a direct subscription, whole or cut between reads. What that loop
+    does not take is left in the buffer for nats-py's own `parse`, in order."""
 
     nc: GuardedClient
 
     async def parse(self, data: bytes = b"") -> None:
         buf = self.buf
         buf.extend(data)
-        nc = self.nc
+        if self.state == nats_parser.AWAITING_MSG_PAYLOAD and not self.header_needed:
+            # A plain message nats-py's parser began (after something only it takes): its
+            # payload is finished here, so the run of messages after it is this loop's.
+            needed = self.needed
+            if len(buf) < needed + 2:
+                return
+            arg = self.msg_arg
+            payload = bytes(buf[:needed])
+            del buf[: needed + 2]
+            self.state = nats_parser.AWAITING_CONTROL_LINE
+            await self._hand_over(arg["sid"], arg["subject"], arg["reply"], payload)
+            buf = self.buf
         while self.state == nats_parser.AWAITING_CONTROL_LINE and buf.startswith(b"MSG "):
             end = buf.find(b"\r\n", 4, nats_parser.MAX_CONTROL_LINE_SIZE)
             if end < 0:
-                break  # the line is still coming (or too long: nats-py's parser says so)
+                if len(buf) < nats_parser.MAX_CONTROL_LINE_SIZE:
+                    return  # the line is still coming: kept for the next read, as nats-py keeps it
+                break  # a longer line than this loop reads: nats-py's parser takes it
             parts = buf[4:end].split(b" ")  # subject, sid, [reply,] size
             if len(parts) == 3:
                 subject, sid, size = parts
@@ -115,21 +130,28 @@ class FastParser(nats_parser.Parser):
             start = end + 2
             stop = start + int(size)
             if len(buf) < stop + 2:
-                break  # the payload is still coming: nats-py's parser waits for it
+                # The payload is still coming. Left whole in the buffer, not handed to nats-py's
+                # parser half read: a read that ends inside a message is the rule under load,
+                # and nats-py's parser, once it holds one, would take the whole next read too.
+                return
             payload = bytes(buf[start:stop])
             del buf[: stop + 2]
-            if not nc._deliver_direct(int(sid), subject, reply, payload):
-                await nc._process_msg(int(sid), bytes(subject), bytes(reply), payload, None)  # type: ignore[arg-type]
-                buf = self.buf  # a reconnect while it waited gives the parser a new one
+            await self._hand_over(int(sid), subject, reply, payload)
+            buf = self.buf  # a reconnect while it waited gives the parser a new one
         if self.buf:
             await super().parse(b"")
+
+    async def _hand_over(self, sid: int, subject: bytes | bytearray, reply: bytes | bytearray, payload: bytes) -> None:
+        nc = self.nc
+        if not nc._deliver_direct(sid, subject, reply, payload):
+            await nc._process_msg(sid, bytes(subject), bytes(reply), payload, None)  # type: ignore[arg-type]
 
 
 def missing_parser_internals(nc: Client) -> list[str]:
     """What `FastParser` relies on that nats-py's parser (or its module) lacks."""
     ps: Any = getattr(nc, "_ps", None)
     missing = [f"_ps.{a}" for a in PARSER_PRIVATE if not hasattr(ps, a)]
-    for name in ("AWAITING_CONTROL_LINE", "MAX_CONTROL_LINE_SIZE"):
+    for name in ("AWAITING_CONTROL_LINE", "AWAITING_MSG_PAYLOAD", "MAX_CONTROL_LINE_SIZE"):
         if not hasattr(nats_parser, name):
             missing.append(f"nats.protocol.parser.{name}")
     if "_ps.buf" not in missing and not isinstance(ps.buf, bytearray):
