@@ -102,7 +102,10 @@ class _Call:
 
     @property
     def inputs_ended(self) -> bool:
-        return all(b.finished for b in self.buffers.values())
+        for b in self.buffers.values():  # (a loop, not all() over a generator: asked per call per step)
+            if not b.finished:
+                return False
+        return True
 
 
 @dataclass
@@ -292,7 +295,12 @@ class Engine:
 
     # -- stepping ------------------------------------------------------------
     def _has_input(self, call: _Call) -> bool:
-        return not call.in_flight and any(b.has_chunk() for b in call.buffers.values())
+        if call.in_flight:
+            return False
+        for b in call.buffers.values():  # (a loop, not any() over a generator: asked per call per step)
+            if b.has_chunk():
+                return True
+        return False
 
     def _idle_wants(self, call: _Call) -> bool:
         return not call.in_flight and (call.state is EngineCallState.DRAINING or self._wants_step(call.cid))

@@ -86,6 +86,7 @@ class Stepper:
     async def carry_out(self, actions: list[eng.Action], partition: str) -> None:
         """Publish what an engine made, in order; an edge whose consumer runs the call here is
         also handed to it at once (Intake.hand_over_item)."""
+        bus = self.ctx.bus
         for a in actions:
             if isinstance(a, eng.PublishOutput):
                 # In the encoding its client reads (the frontend relays it as it is).
@@ -100,10 +101,10 @@ class Stepper:
                     )
                 else:
                     out = wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
-                await self.ctx.bus.publish(subjects.out(a.cid), wire.encode(out))
+                await bus.publish(subjects.out(a.cid), wire.encode(out))
             elif isinstance(a, eng.PublishEdgeItem):
                 body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item), walk=a.walk))
-                await self.ctx.bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
+                await bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (took := self.intake.hand_over_item(a.cid, a.edge, a.seq, a.item, a.walk)) is not None:
                     await self.carry_out(*took)
             elif isinstance(a, eng.PublishEdgeEnd):
