@@ -24,6 +24,8 @@ BENCHES = [
     ["-m", "bench.realtime_load", "--sessions", "20", "--seconds", "10"],
     ["-m", "bench.replay_speed"],
     ["-m", "bench.frame_codec"],
+    ["-m", "bench.nats_py_paths"],
+    ["-m", "bench.worker_path"],
     ["-m", "bench.cluster_cost", "--calls", "100,150,200,250,300,350", "--seconds", "8"],
     ["-m", "bench.confirm_cost", "--messages", "100000"],
     ["-m", "bench.janitor", "--calls", "9000", "--items", "25"],
