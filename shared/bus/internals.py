@@ -99,18 +99,20 @@ class FastParser(nats_parser.Parser):
     async def parse(self, data: bytes = b"") -> None:
         buf = self.buf
         buf.extend(data)
+        nc = self.nc
         if self.state == nats_parser.AWAITING_MSG_PAYLOAD and not self.header_needed:
             # A plain message nats-py's parser began (after something only it takes): its
             # payload is finished here, so the run of messages after it is this loop's.
             needed = self.needed
             if len(buf) < needed + 2:
                 return
-            arg = self.msg_arg
+            sid, subject, reply = self.msg_arg["sid"], self.msg_arg["subject"], self.msg_arg["reply"]
             payload = bytes(buf[:needed])
             del buf[: needed + 2]
             self.state = nats_parser.AWAITING_CONTROL_LINE
-            await self._hand_over(arg["sid"], arg["subject"], arg["reply"], payload)
-            buf = self.buf
+            if not nc._deliver_direct(sid, subject, reply, payload):
+                await nc._process_msg(sid, subject, reply, payload, None)  # type: ignore[arg-type]
+                buf = self.buf  # a reconnect while it waited gives the parser a new one
         while self.state == nats_parser.AWAITING_CONTROL_LINE and buf.startswith(b"MSG "):
             end = buf.find(b"\r\n", 4, nats_parser.MAX_CONTROL_LINE_SIZE)
             if end < 0:
@@ -136,15 +138,12 @@ class FastParser(nats_parser.Parser):
                 return
             payload = bytes(buf[start:stop])
             del buf[: stop + 2]
-            await self._hand_over(int(sid), subject, reply, payload)
-            buf = self.buf  # a reconnect while it waited gives the parser a new one
+            # Handed over with no coroutine (the point of this loop); only nats-py's own way awaits.
+            if not nc._deliver_direct(int(sid), subject, reply, payload):
+                await nc._process_msg(int(sid), bytes(subject), bytes(reply), payload, None)  # type: ignore[arg-type]
+                buf = self.buf  # a reconnect while it waited gives the parser a new one
         if self.buf:
             await super().parse(b"")
-
-    async def _hand_over(self, sid: int, subject: bytes | bytearray, reply: bytes | bytearray, payload: bytes) -> None:
-        nc = self.nc
-        if not nc._deliver_direct(sid, subject, reply, payload):
-            await nc._process_msg(sid, bytes(subject), bytes(reply), payload, None)  # type: ignore[arg-type]
 
 
 def missing_parser_internals(nc: Client) -> list[str]:
