@@ -4,6 +4,7 @@ in JetStream, and a closed socket's calls free their slots."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +19,7 @@ from services.conductor import core
 from shared.bus import subjects, wire
 from shared.runtime.config import parse_config
 from tests.support.audio import echo_bytes, pcm_file
-from tests.support.bus import call_records, until_call_records
+from tests.support.bus import connected, until_call_records
 from tests.support.client import WS, nothing_for
 from tests.support.stack import Stack, running_stack
 
@@ -37,11 +38,6 @@ def _by_rid(records: dict[str, wire.CallRecord]) -> dict[str, wire.CallRecord]:
     return {r.request_id: r for r in records.values()}
 
 
-async def records_by_rid(nats_url: str) -> dict[str, wire.CallRecord]:
-    """The conductor's call records by request_id; the listing is tried once, as these tests also wait for an empty bucket."""
-    return _by_rid(await call_records(nats_url, tries=1))
-
-
 async def until_records(
     nats_url: str, pred: Callable[[dict[str, wire.CallRecord]], bool], timeout: float = 10.0
 ) -> dict[str, wire.CallRecord]:
@@ -49,9 +45,22 @@ async def until_records(
     return _by_rid(await until_call_records(nats_url, lambda rs: pred(_by_rid(rs)), timeout))
 
 
+async def conductor_idle(nats_url: str) -> bool:
+    """No call live or queued in the conductor, as it says itself (`ctl.conductor.status`)."""
+    async with connected(nats_url) as nc:
+        status = json.loads((await nc.request(subjects.conductor_status(), b"", timeout=2)).data)
+    return bool(status["live_calls"] == 0 and status["queued"] == 0)
+
+
 @pytest.fixture
 async def idle(stack: Stack) -> AsyncIterator[None]:
-    """Each test starts with no call in the conductor (the last test's aborts processed)."""
+    """Each test starts with no call in the conductor (the last test's aborts processed). The
+    conductor is asked, not only its records listed: a listing is a watch, which can come back
+    empty on a busy server, and that once let a test start beside the last one's live calls."""
+    deadline = time.monotonic() + 10.0
+    while not await conductor_idle(stack.nats_url):
+        assert time.monotonic() < deadline, "the conductor still has calls of an earlier test"
+        await asyncio.sleep(0.05)
     await until_records(stack.nats_url, lambda r: not r)
     yield
 
@@ -154,7 +163,9 @@ async def test_closed_socket_aborts_its_calls_and_frees_their_slots(stack: Stack
     for rid in ("c1", "c2"):
         m = await other.until(lambda m, rid=rid: m.get("request_id") == rid and ("output" in m or "error" in m))
         assert "output" in m, m  # admitted: the closed socket's slots were free
-    assert set(await records_by_rid(stack.nats_url)) == {"c1", "c2"}  # the closed socket's calls, the queued one too, are gone
+    # The closed socket's calls, the queued one too, are gone (listed until so: a listing can
+    # come back empty on a busy server).
+    await until_records(stack.nats_url, lambda r: set(r) == {"c1", "c2"})
     await end(other, "c1")
     await end(other, "c2")
     await other.close()
@@ -176,7 +187,7 @@ async def test_post_client_that_goes_away_ends_its_call(stack: Stack, idle: None
     await end(ws, "l1")
     await until_records(stack.nats_url, lambda r: "l1" not in r)
     await admitted(ws, "l3")  # the freed slot went to a new call, not to the one that left
-    assert set(await records_by_rid(stack.nats_url)) == {"l2", "l3"}
+    await until_records(stack.nats_url, lambda r: set(r) == {"l2", "l3"})
     await end(ws, "l2")
     await end(ws, "l3")
     await ws.close()
