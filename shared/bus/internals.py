@@ -100,47 +100,44 @@ class FastParser(nats_parser.Parser):
         buf = self.buf
         buf.extend(data)
         nc = self.nc
-        if self.state == nats_parser.AWAITING_MSG_PAYLOAD and not self.header_needed:
-            # A plain message nats-py's parser began (after something only it takes): its
-            # payload is finished here, so the run of messages after it is this loop's.
-            needed = self.needed
-            if len(buf) < needed + 2:
-                return
-            sid, subject, reply = self.msg_arg["sid"], self.msg_arg["subject"], self.msg_arg["reply"]
-            payload = bytes(buf[:needed])
-            del buf[: needed + 2]
-            self.state = nats_parser.AWAITING_CONTROL_LINE
-            if not nc._deliver_direct(sid, subject, reply, payload):
-                await nc._process_msg(sid, subject, reply, payload, None)  # type: ignore[arg-type]
-                buf = self.buf  # a reconnect while it waited gives the parser a new one
-        while self.state == nats_parser.AWAITING_CONTROL_LINE and buf.startswith(b"MSG "):
-            end = buf.find(b"\r\n", 4, nats_parser.MAX_CONTROL_LINE_SIZE)
-            if end < 0:
-                if len(buf) < nats_parser.MAX_CONTROL_LINE_SIZE:
-                    return  # the line is still coming: kept for the next read, as nats-py keeps it
-                break  # a longer line than this loop reads: nats-py's parser takes it
-            parts = buf[4:end].split(b" ")  # subject, sid, [reply,] size
-            if len(parts) == 3:
-                subject, sid, size = parts
-                reply = bytearray()
-            elif len(parts) == 4:
-                subject, sid, reply, size = parts
+        while True:
+            if self.state == nats_parser.AWAITING_MSG_PAYLOAD and not self.header_needed:
+                # A plain message nats-py's parser began (after something only it takes): its
+                # payload is finished here, so the run of messages after it is this loop's.
+                arg = self.msg_arg
+                sid, subject, reply, start = arg["sid"], arg["subject"], arg["reply"], 0
+                stop = self.needed
+            elif self.state == nats_parser.AWAITING_CONTROL_LINE and buf.startswith(b"MSG "):
+                end = buf.find(b"\r\n", 4, nats_parser.MAX_CONTROL_LINE_SIZE)
+                if end < 0:
+                    if len(buf) < nats_parser.MAX_CONTROL_LINE_SIZE:
+                        return  # the line is still coming: kept for the next read, as nats-py keeps it
+                    break  # a longer line than this loop reads: nats-py's parser takes it
+                parts = buf[4:end].split(b" ")  # subject, sid, [reply,] size
+                if len(parts) == 3:
+                    subject, sid_text, size = parts
+                    reply = b""
+                elif len(parts) == 4:
+                    subject, sid_text, reply, size = parts
+                else:
+                    break  # malformed: nats-py's parser refuses it
+                if not (sid_text.isdigit() and size.isdigit()):
+                    break
+                sid, start = int(sid_text), end + 2
+                stop = start + int(size)
             else:
-                break  # malformed: nats-py's parser refuses it
-            if not (sid.isdigit() and size.isdigit()):
                 break
-            start = end + 2
-            stop = start + int(size)
             if len(buf) < stop + 2:
-                # The payload is still coming. Left whole in the buffer, not handed to nats-py's
-                # parser half read: a read that ends inside a message is the rule under load,
-                # and nats-py's parser, once it holds one, would take the whole next read too.
+                # The payload is still coming. Left in the buffer, not handed to nats-py's parser
+                # half read: a read that ends inside a message is the rule under load, and
+                # nats-py's parser, once it holds one, would take the whole next read too.
                 return
             payload = bytes(buf[start:stop])
             del buf[: stop + 2]
+            self.state = nats_parser.AWAITING_CONTROL_LINE
             # Handed over with no coroutine (the point of this loop); only nats-py's own way awaits.
-            if not nc._deliver_direct(int(sid), subject, reply, payload):
-                await nc._process_msg(int(sid), bytes(subject), bytes(reply), payload, None)  # type: ignore[arg-type]
+            if not nc._deliver_direct(sid, subject, reply, payload):
+                await nc._process_msg(sid, bytes(subject), bytes(reply), payload, None)  # type: ignore[arg-type]
                 buf = self.buf  # a reconnect while it waited gives the parser a new one
         if self.buf:
             await super().parse(b"")
