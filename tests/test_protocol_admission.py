@@ -4,7 +4,6 @@ in JetStream, and a closed socket's calls free their slots."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,8 +18,9 @@ from services.conductor import core
 from shared.bus import subjects, wire
 from shared.runtime.config import parse_config
 from tests.support.audio import echo_bytes, pcm_file
-from tests.support.bus import connected, until_call_records
+from tests.support.bus import conductor_status, until_call_records
 from tests.support.client import WS, nothing_for
+from tests.support.poll import until
 from tests.support.stack import Stack, running_stack
 
 # One socket here holds every slot and the queue: its share (max_calls_per_socket, a quarter
@@ -45,22 +45,17 @@ async def until_records(
     return _by_rid(await until_call_records(nats_url, lambda rs: pred(_by_rid(rs)), timeout))
 
 
-async def conductor_idle(nats_url: str) -> bool:
-    """No call live or queued in the conductor, as it says itself (`ctl.conductor.status`)."""
-    async with connected(nats_url) as nc:
-        status = json.loads((await nc.request(subjects.conductor_status(), b"", timeout=2)).data)
-    return bool(status["live_calls"] == 0 and status["queued"] == 0)
-
-
 @pytest.fixture
 async def idle(stack: Stack) -> AsyncIterator[None]:
     """Each test starts with no call in the conductor (the last test's aborts processed). The
     conductor is asked, not only its records listed: a listing is a watch, which can come back
     empty on a busy server, and that once let a test start beside the last one's live calls."""
-    deadline = time.monotonic() + 10.0
-    while not await conductor_idle(stack.nats_url):
-        assert time.monotonic() < deadline, "the conductor still has calls of an earlier test"
-        await asyncio.sleep(0.05)
+
+    async def quiet() -> bool:
+        status = await conductor_status(stack.nats_url)
+        return bool(status["live_calls"] == 0 and status["queued"] == 0)
+
+    await until(quiet, 10.0, "the conductor without calls of an earlier test")
     await until_records(stack.nats_url, lambda r: not r)
     yield
 

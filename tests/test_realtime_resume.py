@@ -20,7 +20,7 @@ import pytest
 from services.frontend.realtime.session import event_number, token_cid
 from shared.bus import subjects, wire
 from shared.sdk.audio import b64_pcm16
-from tests.support.bus import bucket_keys, connected
+from tests.support.bus import bucket_keys, conductor_status, connected
 from tests.support.poll import until
 from tests.support.realtime import MANUAL_16K, RT, audio_of, check_responses, drop_and_resume, moves_listed, tone
 from tests.support.stack import Stack, UpStack, running_stack
@@ -54,9 +54,7 @@ async def listings(nats_url: str) -> dict[str, wire.FrontendHeartbeat]:
 
 
 async def conductor_live(nats_url: str) -> int:
-    async with connected(nats_url) as nc:
-        reply = await nc.request(subjects.conductor_status(), b"", timeout=2)
-    live: int = json.loads(reply.data)["live_calls"]
+    live: int = (await conductor_status(nats_url))["live_calls"]
     return live
 
 

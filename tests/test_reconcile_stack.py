@@ -13,11 +13,10 @@ frontend holds. Before, each was placed and kept its slot until max_call_duratio
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from shared.bus import subjects, wire
-from tests.support.bus import connected
+from tests.support.bus import conductor_status, connected
 from tests.support.calls import EchoCall
 from tests.support.client import WS
 from tests.support.freeze import frozen
@@ -31,9 +30,7 @@ PULL_EXPIRES_S = 1.5  # past the conductor's pull request (fetch's 1 s): the ser
 
 
 async def conductor_live(stack: Stack) -> int:
-    async with connected(stack.nats_url) as nc:
-        reply = await nc.request(subjects.conductor_status(), b"", timeout=2)
-    live: int = json.loads(reply.data)["live_calls"]
+    live: int = (await conductor_status(stack.nats_url))["live_calls"]
     return live
 
 

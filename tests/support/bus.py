@@ -105,6 +105,16 @@ async def call_records(nats_url: str, tries: int = 20) -> dict[str, wire.CallRec
         return out
 
 
+async def conductor_status(nats_url: str) -> dict[str, Any]:
+    """What the conductor says of itself (`ctl.conductor.status`): its live calls, queued calls
+    and workers. Unlike a listing of its records (a watch, which can come back empty on a busy
+    server), this is its own count."""
+    async with connected(nats_url) as nc:
+        reply = await nc.request(subjects.conductor_status(), b"", timeout=2)
+    status: dict[str, Any] = json.loads(reply.data)
+    return status
+
+
 async def until_call_records(
     nats_url: str, pred: Callable[[dict[str, wire.CallRecord]], bool], timeout: float = 10.0
 ) -> dict[str, wire.CallRecord]:
