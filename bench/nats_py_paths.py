@@ -98,12 +98,14 @@ async def main(url: str, pairs: int, size: int, n: int) -> None:
         print(f"{kind}: median nats-py {plain_m:.2f} µs, GuardedClient {guarded_m:.2f} µs, ratio {ratio:.2f}")
 
 
-def cli() -> None:
+def cli(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--size", type=int, default=2700, help="payload bytes (an 80 ms msgpack append is about 2,700)")
     ap.add_argument("--messages", type=int, default=20_000, help="messages in each repeat")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.pairs < 1 or args.size < 0 or args.messages < PER_READ:
+        ap.error(f"--pairs must be at least 1, --size at least 0, --messages at least {PER_READ}")
     with tempfile.TemporaryDirectory(prefix="duplexbus-nats-paths-") as store, NatsServer(store) as server:
         asyncio.run(main(server.client_url, args.pairs, args.size, args.messages))
 

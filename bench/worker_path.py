@@ -122,14 +122,17 @@ async def run(calls: int, rounds: int, batch: int, repeats: int, binary: bool = 
     return best
 
 
-def cli() -> None:
+def cli(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=30, help="items to each call in a repeat")
     ap.add_argument("--batch", type=int, default=16, help="items taken between steps")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--binary", action="store_true", help="the calls' clients read msgpack (outputs packed)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for name in ("calls", "rounds", "batch", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
     best = asyncio.run(run(args.calls, args.rounds, args.batch, args.repeats, args.binary))
     for name, us in best.items():
         print(f"{name}: {us:.1f} µs of CPU per item (take, step, publish), best round")

@@ -17,3 +17,10 @@ async def test_the_worker_path_benchmark_steps_every_item_through_both_partition
     assert set(best) == {"Encoder", "Talker"}
     for us in best.values():
         assert math.isfinite(us) and 0 < us < 1e5
+
+
+@pytest.mark.parametrize("argv", [["--calls", "0"], ["--batch", "0"], ["--rounds", "-1"], ["--repeats", "0"]])
+def test_the_worker_path_benchmark_refuses_what_it_cannot_measure(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        worker_path.cli(argv)
+    assert e.value.code == 2 and "must be at least 1" in capsys.readouterr().err

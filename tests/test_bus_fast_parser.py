@@ -218,3 +218,10 @@ async def test_a_guarded_client_reads_every_message_of_a_real_server_in_order(na
 async def test_the_benchmark_of_both_read_paths_runs_and_counts_every_message(nats_url: str) -> None:
     for guarded in (False, True):
         assert 0 < await nats_py_paths.read_us(nats_url, guarded, 100, 200) < 1e4  # asserts every message arrived
+
+
+@pytest.mark.parametrize("argv", [["--pairs", "0"], ["--messages", "5"], ["--size", "-1"]])
+def test_the_read_benchmark_refuses_what_it_cannot_measure(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        nats_py_paths.cli(argv)
+    assert e.value.code == 2 and "must be at least" in capsys.readouterr().err
