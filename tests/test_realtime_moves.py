@@ -241,6 +241,8 @@ def test_the_state_codec_keeps_types_and_builds_only_the_classes_named() -> None
         "ordered": OrderedDict([("b", 1), ("a", {"nested": [Colour.RED]})]),
         "deque": deque([(0, 1280)], maxlen=4),
         "array": np.arange(6, dtype="<i2").reshape(2, 3),
+        "view": np.arange(6, dtype="<i2").reshape(2, 3).T,  # not contiguous
+        "0-d": np.array(7, dtype="<i4"),
         "scalar": np.float32(0.25),
         "keys": {3: "int key", ("t", 1): "tuple key"},
         "point": Point(np.zeros(2), "p"),
@@ -251,6 +253,8 @@ def test_the_state_codec_keeps_types_and_builds_only_the_classes_named() -> None
     assert back["ordered"]["a"]["nested"] == [Colour.RED]
     assert back["deque"] == deque([(0, 1280)]) and back["deque"].maxlen == 4
     assert back["array"].dtype == np.dtype("<i2") and back["array"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert back["view"].tolist() == [[0, 3], [1, 4], [2, 5]]
+    assert back["0-d"].shape == () and back["0-d"] == 7
     assert back["scalar"] == np.float32(0.25) and back["scalar"].dtype == np.float32
     assert back["keys"] == {3: "int key", ("t", 1): "tuple key"}
     assert isinstance(back["point"], Point) and back["point"].name == "p"

@@ -21,7 +21,11 @@ from shared.sdk.model import CallInfo, Output, StepInput
         np.arange(FRAME, dtype="<i2"),
         np.arange(12, dtype="<f4").reshape(3, 4),
         np.zeros(0, dtype="<i2"),
+        np.array(0.25, dtype="<f8"),  # 0-d: a model's scalar (it came back 1-d)
+        np.arange(12, dtype="<f4").reshape(3, 4).T,  # not contiguous: a view
+        np.arange(10, dtype="<i2")[::2],
     ],
+    ids=["audio", "2-d", "empty", "0-d", "transposed", "strided"],
 )
 def test_a_tensor_comes_back_as_the_array_it_was(a: np.ndarray) -> None:
     msg = wire.decode(wire.encode(wire.InputItem(seq=0, item=wire.WireItem.from_item(Item(a)))))

@@ -50,7 +50,9 @@ class Tensor(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> Tensor:
-        a = np.ascontiguousarray(a)
+        # tobytes() is in C order whatever the array's layout. np.ascontiguousarray, used here
+        # before, also made a 0-d array (a model's scalar item) 1-d on the way.
+        a = np.asarray(a)
         return cls(a.dtype.str, list(a.shape), a.tobytes())
 
     def to_array(self) -> np.ndarray:
@@ -464,7 +466,7 @@ def _tree(o: Any, kinds: StateKinds) -> Any:
     if t is deque:
         return _ext(_DEQUE, [o.maxlen, [_tree(v, kinds) for v in o]])
     if t is np.ndarray:
-        return _ext(_ARRAY, [o.dtype.str, list(o.shape), np.ascontiguousarray(o).tobytes()])
+        return _ext(_ARRAY, [o.dtype.str, list(o.shape), o.tobytes()])  # (C order, any layout)
     if isinstance(o, np.generic):
         return _ext(_SCALAR, [o.dtype.str, o.tobytes()])
     if t in kinds.reduce:
