@@ -13,7 +13,9 @@ status is 1):
 - every partition is reached by the client's streams (the rest of the topology is checked
   as it is built);
 - every call finishes (a done from each partition) unless the check aborted it, within
-  `max_steps` steps after its input ended and within `timeout_s`; none fails in the model;
+  `max_steps` steps after its input ended and within `timeout_s`; none fails in the model
+  (an output or item the wire cannot carry included: each goes through the wire's encoding,
+  and each item reaches its consumer as it would served);
 - per call and partition, the outputs' seqs are 0, 1, 2, ... each once, as many as the
   done counts, none after the call ended; the same for each edge's items and its end;
 - each partition's `open_call` runs once per call, and then exactly one `close_call` (it
@@ -42,11 +44,12 @@ import numpy as np
 
 from services.frontend.calls import CallInput, InputState
 from services.worker import engine as eng
+from shared.bus import wire
 from shared.runtime.errors import BadRequest, ConfigError, DuplexError
 from shared.sdk.audio import encode_wav
 from shared.sdk.chunking import Item
 from shared.sdk.model import CallInfo, ClientFile, ClientInput, Emission, Model, Partition, StepInput
-from shared.sdk.topology import PartitionTopology
+from shared.sdk.topology import CLIENT, PartitionTopology
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +137,11 @@ class Rig:
 
     def __init__(self, model: Model, opts: Options) -> None:
         topo = model.topology
+        self.binary_fields = model.binary_fields
         self.parts = {p: Counted(model.create_partition(p)) for p in topo.partitions}
         self.engines = {p: eng.Engine(p, topo, part, opts.max_batch, tick_s=eng.TICK_S) for p, part in self.parts.items()}
         self.consumer = {c.edge_name: c.to_partition for c in topo.connections}
+        self.producer = {c.edge_name: c.from_partition for c in topo.connections}
         self.record = Record()
         self.live: set[str] = set()
         self.aborted: set[str] = set()
@@ -157,7 +162,17 @@ class Rig:
         return None
 
     def push(self, cid: str, edge: str, seq: int, item: Item, walk: str = "") -> None:
-        self._apply(self.engines[self.consumer[edge]].push(cid, edge, seq, item, walk), self.consumer[edge])
+        """The item as it arrives served: through the wire (its array read-only, its meta as
+        msgpack gives it back)."""
+        consumer = self.consumer[edge]
+        try:
+            sent = wire.as_sent(item)
+        except (TypeError, ValueError, OverflowError) as e:
+            producer = self.producer[edge]
+            by = "process_stream_chunk (client input)" if producer == CLIENT else producer
+            self._unsendable(cid, f"{by}: an item on {edge!r}", e)
+            return
+        self._apply(self.engines[consumer].push(cid, edge, seq, sent, walk), consumer)
 
     def end(self, cid: str, edge: str, total: int) -> None:
         self._apply(self.engines[self.consumer[edge]].end(cid, edge, total), self.consumer[edge])
@@ -182,6 +197,11 @@ class Rig:
                 rec.after_done.append(f"{type(a).__name__} from {partition}")
                 continue
             if isinstance(a, eng.PublishOutput):
+                try:
+                    wire.check_event(a.data, self.binary_fields)
+                except (TypeError, ValueError, OverflowError) as e:
+                    self._unsendable(a.cid, f"{partition}: an output", e)
+                    continue
                 rec.outputs[a.cid, partition].append(a.seq)
             elif isinstance(a, eng.PublishEdgeItem):
                 rec.edge_items[a.cid, a.edge].append(a.seq)
@@ -198,6 +218,11 @@ class Rig:
                 during = getattr(a.error, "during", "")
                 rec.failures[a.cid].append(f"{partition}{f' ({during})' if during else ''}: {a.error.message}")
                 self._ended(a.cid)
+
+    def _unsendable(self, cid: str, what: str, error: Exception) -> None:
+        """What the wire cannot carry fails the call, as in a worker (services/worker/stepper.py)."""
+        self.record.failures[cid].append(f"{what} that the wire cannot carry ({error}); served, the call fails")
+        self._ended(cid)
 
     def round(self, now: float) -> bool:
         """One step of every engine with work due; False where none had any."""

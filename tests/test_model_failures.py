@@ -279,13 +279,28 @@ def test_a_slot_partition_refuses_past_its_slots() -> None:
 
 
 # -- through a real stack ---------------------------------------------------------------------
-async def test_a_served_model_whose_step_raises_fails_those_calls_generically_and_serves_the_next(nats_url: str) -> None:
-    """A worker serving a model loaded by path, with 8 slots, whose step raises for the calls
-    that ask it to: nine such calls one after the other each get a 500 naming the partition
-    only, and the same worker then serves a call to its end (before, the nine had taken
-    every slot for good, and the last call was refused)."""
+@pytest.mark.parametrize(
+    ("model", "logged"),
+    [
+        ("StepRaisesWhenAsked", [SECRET, "Traceback"]),
+        (
+            "UnsendableOutputWhenAsked",
+            ["partition P emitted an output for", "that cannot be sent: Encoding objects of type numpy.float32"],
+        ),
+    ],
+    ids=["step-raises", "unsendable-output"],
+)
+async def test_a_served_model_whose_step_raises_fails_those_calls_generically_and_serves_the_next(
+    nats_url: str, model: str, logged: list[str]
+) -> None:
+    """A worker serving a model loaded by path, with 8 slots, whose step raises (or emits an
+    output no client encoding carries) for the calls that ask it to: nine such calls one
+    after the other each get a 500 naming the partition only, and the same worker process
+    then serves a call to its end (before, the nine had taken every slot for good, and the
+    last call was refused; an output that could not be sent ended the worker)."""
     samples = np.zeros(640, dtype=np.int16)  # two items of the model's 320 samples
-    async with running_stack(nats_url, {"model": "tests.support.broken_models:StepRaisesWhenAsked"}) as stack:
+    async with running_stack(nats_url, {"model": f"tests.support.broken_models:{model}"}) as stack:
+        worker = stack.procs["worker-0"]
         ws = await WS.connect(stack.ws_url())
         try:
             for rid, kwargs in [*((f"bad{i}", {"fail": True}) for i in range(9)), ("good", {})]:
@@ -297,5 +312,6 @@ async def test_a_served_model_whose_step_raises_fails_those_calls_generically_an
                     assert "finish" in final and len(ws.outputs(rid)) == 2, (final, stack.logs())
         finally:
             await ws.close()
-        log = stack.procs["worker-0"].log.read_text()
-        assert SECRET in log and "Traceback" in log  # the model's exception is in the worker's log
+        assert stack.procs["worker-0"] is worker and worker.alive()
+        log = worker.log.read_text()
+        assert all(words in log for words in logged), log  # what the model did: in the worker's log, not the client's

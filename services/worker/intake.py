@@ -21,7 +21,7 @@ from services.worker.flow import Bounds
 from services.worker.repair import Gaps, InputReads, Next, StartRead, Unit, Why
 from shared.bus import subjects, wire
 from shared.bus.connection import BusConnection, BusMsg
-from shared.runtime.errors import BusError, DuplexError
+from shared.runtime.errors import BusError, DuplexError, WorkerFailed
 from shared.runtime.process import TaskSet
 from shared.runtime.stats import Reservoir
 from shared.sdk.chunking import Item
@@ -287,17 +287,22 @@ class Intake:
         None where there is no room for the item (flow.Bounds): it is left in the stream."""
         try:
             s = subjects.parse(subject)
-            if s.edge is None or s.edge not in self.consumer_of:
-                return [], ""
-            partition = self.consumer_of[s.edge]
-            if live and self.reads.paused(s.cid, partition):
-                return [], ""  # left in the stream: the partition's read takes it
-            msg = wire.decode(data)
         except (ValueError, DuplexError):
-            log.warning("dropping undecodable message on %s", subject)
+            log.warning("dropping a message on %s: not a call's subject", subject)
             return [], ""
+        if s.edge is None or s.edge not in self.consumer_of:
+            return [], ""
+        partition = self.consumer_of[s.edge]
+        if live and self.reads.paused(s.cid, partition):
+            return [], ""  # left in the stream: the partition's read takes it
+        try:
+            msg = wire.decode(data)
+            item = msg.item.to_item() if isinstance(msg, wire.InputItem | wire.EdgeItemMsg) else None
+        except (ValueError, TypeError, DuplexError) as e:
+            return self._unreadable(s.cid, s.edge, partition, e)
         r = self.ctx.runners[partition]
         if isinstance(msg, wire.InputItem | wire.EdgeItemMsg):
+            assert item is not None
             if not self._may_take(s.cid, r.engine, live) and r.engine.wants_item(s.cid, s.edge, msg.seq):
                 return None  # (a repeat is let through: it holds nothing)
             if live:
@@ -305,7 +310,7 @@ class Intake:
                 if isinstance(msg, wire.InputItem) and msg.sent_ns:
                     self.data_path_ms.add((time.time_ns() - msg.sent_ns) / 1e6)
             walk = msg.walk if isinstance(msg, wire.EdgeItemMsg) else ""
-            actions = r.engine.push(s.cid, s.edge, msg.seq, msg.item.to_item(), walk)
+            actions = r.engine.push(s.cid, s.edge, msg.seq, item, walk)
         elif isinstance(msg, wire.EndOfInput | wire.EdgeEnd):
             if live:
                 self.reads.live_input(s.cid, partition, time.monotonic())
@@ -314,6 +319,17 @@ class Intake:
             return [], ""
         r.wake.set()
         return actions, r.engine.name
+
+    def _unreadable(self, cid: str, edge: str, partition: str, error: Exception) -> Took:
+        """A message on a call's input that cannot be read (a writer of another version, or
+        one that is not duplexbus). It stays in the stream, so every gap and stall read would
+        find it again and the call would wait on it for ever: a call running here fails
+        instead, at once. For a call not here it is only dropped."""
+        if cid not in self.calls:
+            log.warning("dropping an unreadable message of call %s on %r: %s", cid, edge, error)
+            return [], ""
+        log.error("call %s: a message on %r cannot be read (%s): the call fails", cid, edge, error)
+        return [eng.FailCall(cid, WorkerFailed(f"partition {partition} could not read its input {edge!r}"))], partition
 
     # -- edges within this process ------------------------------------------------
     def local_consumer(self, cid: str, edge: str) -> Runner | None:

@@ -17,7 +17,7 @@ from services.worker.calls import Context, Runner
 from services.worker.intake import Intake
 from shared.bus import subjects, wire
 from shared.bus.store_behind import StoreBehind
-from shared.runtime.errors import DuplexError, WorkerFailed
+from shared.runtime.errors import DuplexError, ModelFailed, WorkerFailed
 from shared.runtime.process import cancel_and_wait
 from shared.sdk.model import StepInput
 
@@ -85,25 +85,24 @@ class Stepper:
 
     async def carry_out(self, actions: list[eng.Action], partition: str) -> None:
         """Publish what an engine made, in order; an edge whose consumer runs the call here is
-        also handed to it at once (Intake.hand_over_item)."""
+        also handed to it at once (Intake.hand_over_item). An output or item the wire cannot
+        carry (`_encoded`) fails its call, as a model's exception does, and the call's later
+        actions are dropped: never the worker (I-4)."""
         bus = self.ctx.bus
+        failed: set[str] = set()
         for a in actions:
+            if a.cid in failed:
+                continue
+            if isinstance(a, eng.PublishOutput | eng.PublishEdgeItem):
+                try:
+                    body = self._encoded(a, partition)
+                except (TypeError, ValueError, OverflowError) as e:
+                    failed.add(a.cid)
+                    await self._unsendable(a, partition, e)
+                    continue
             if isinstance(a, eng.PublishOutput):
-                # In the encoding its client reads (the frontend relays it as it is).
-                call = self.intake.calls.get(a.cid)
-                if call is not None and call.binary:
-                    out = wire.OutputMsg(
-                        partition=partition,
-                        seq=a.seq,
-                        json=wire.pack_event(a.data, self.ctx.binary_fields),
-                        sent_ns=time.time_ns(),
-                        packed=True,
-                    )
-                else:
-                    out = wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
-                await bus.publish(subjects.out(a.cid), wire.encode(out))
+                await bus.publish(subjects.out(a.cid), body)
             elif isinstance(a, eng.PublishEdgeItem):
-                body = wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item), walk=a.walk))
                 await bus.publish(subjects.edge(a.cid, a.edge), body)  # stored for replay and recovery
                 if (took := self.intake.hand_over_item(a.cid, a.edge, a.seq, a.item, a.walk)) is not None:
                     await self.carry_out(*took)
@@ -121,6 +120,28 @@ class Stepper:
                 self.ends.put(subjects.done(a.cid, partition), wire.encode(done), then, self._fail_on_refusal(a.cid, partition))
             elif isinstance(a, eng.FailCall):
                 await self._fail(a.cid, partition, a.error)
+
+    def _encoded(self, a: eng.PublishOutput | eng.PublishEdgeItem, partition: str) -> bytes:
+        """The message's body; raises where the model emitted what the wire cannot carry (an
+        output or meta value msgspec cannot encode, such as a numpy scalar; an object array)."""
+        if isinstance(a, eng.PublishEdgeItem):
+            return wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item), walk=a.walk))
+        # In the encoding its client reads (the frontend relays it as it is).
+        call = self.intake.calls.get(a.cid)
+        if call is not None and call.binary:
+            packed = wire.pack_event(a.data, self.ctx.binary_fields)
+            out = wire.OutputMsg(partition=partition, seq=a.seq, json=packed, sent_ns=time.time_ns(), packed=True)
+        else:
+            out = wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
+        return wire.encode(out)
+
+    async def _unsendable(self, a: eng.PublishOutput | eng.PublishEdgeItem, partition: str, error: Exception) -> None:
+        what = "an output" if isinstance(a, eng.PublishOutput) else f"an item on {a.edge!r}"
+        log.error("partition %s emitted %s for %s that cannot be sent: %s", partition, what, a.cid, error)
+        runner = self.ctx.runners.get(partition)
+        if runner is not None:
+            runner.engine.stats.model_errors += 1
+        await self._fail(a.cid, partition, ModelFailed(partition, "step"))
 
     async def _fail(self, cid: str, partition: str, error: DuplexError) -> None:
         """The call's abort, stored behind (the conductor passes it on to the client; an abort

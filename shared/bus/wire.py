@@ -53,6 +53,8 @@ class Tensor(msgspec.Struct, frozen=True):
         # tobytes() is in C order whatever the array's layout. np.ascontiguousarray, used here
         # before, also made a 0-d array (a model's scalar item) 1-d on the way.
         a = np.asarray(a)
+        if a.dtype.hasobject:  # its bytes would be this process's pointers
+            raise TypeError(f"an array of dtype {a.dtype} cannot be sent: only plain numeric or byte data")
         return cls(a.dtype.str, list(a.shape), a.tobytes())
 
     def to_array(self) -> np.ndarray:
@@ -365,6 +367,20 @@ def decode_as(data: bytes, kind: type[_T]) -> _T:
     if not isinstance(msg, kind):
         raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
     return msg
+
+
+def as_sent(item: Item) -> Item:
+    """The item as a partition in another process gets it: encoded and decoded, so its array
+    is read-only and its meta is what msgpack gives back (lists for tuples). Raises TypeError
+    or ValueError where the wire cannot carry it (`duplexbus check-model` finds it so)."""
+    return decode_as(encode(EdgeItemMsg(seq=0, item=WireItem.from_item(item))), EdgeItemMsg).item.to_item()
+
+
+def check_event(data: dict[str, Any], binary_fields: Collection[str]) -> None:
+    """Raises TypeError or ValueError where an output event cannot reach a client in either
+    encoding (a value msgspec cannot encode, such as a numpy scalar)."""
+    msgspec.json.encode(data)
+    pack_event(data, binary_fields)
 
 
 # -- output events -------------------------------------------------------------

@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from duplexbus.sdk import (
     CLIENT,
     CallInfo,
@@ -47,6 +49,8 @@ FAULTS = (
     "not_emission",  # returns something that is neither an Output nor an EdgeItem
     "leak",  # close_call forgets to give the slot back
     "never_done",  # wants a step for ever: no call ever finishes
+    "unsendable_output",  # an output holding a numpy scalar, which no client encoding carries
+    "unsendable_item",  # an item on edge "mid" holding one in its meta (a _TwoStage model's P)
 )
 
 
@@ -103,6 +107,10 @@ class SlotPartition(Partition):
                 out += [Output(s.cid, {"n": it.meta.get("n", 0)}) for it in chunk.items]
             if self._faulty("edge", [s.cid]):
                 out.append(EdgeItem(s.cid, "no_such_edge", Item(None, {})))
+            if self._faulty("unsendable_output", [s.cid]):
+                out.append(Output(s.cid, {"n": np.float32(1)}))
+            if self._faulty("unsendable_item", [s.cid]):
+                out.append(EdgeItem(s.cid, "mid", Item(None, {"n": np.float32(1)})))
         if self._faulty("stray", cids):
             others = [c for c in self.tally.seen if c not in cids]
             out.append(Output(others[0] if others else "not-a-call", {"stray": True}))
@@ -157,6 +165,23 @@ class _Broken(Model):
         return SlotPartition(slots=8, fault=self.fault, only_asked=self.only_asked)
 
 
+class _TwoStage(_Broken):
+    """`P`, whose fault is the class's, then `Q` on edge "mid", a healthy SlotPartition."""
+
+    def __init__(self) -> None:
+        limits = ClientStreamLimits(max_items=None, item_size=FRAME, unit="samples", sample_rate=16_000)
+        self.topology = PartitionTopology(
+            ["P", "Q"],
+            [
+                Connection(CLIENT, "P", EDGE, lambda: FixedChunkPolicy(1), limits),
+                Connection("P", "Q", "mid", lambda: FixedChunkPolicy(1)),
+            ],
+        )
+
+    def create_partition(self, name: str) -> Partition:
+        return SlotPartition(slots=8, fault=self.fault if name == "P" else None, only_asked=self.only_asked)
+
+
 class Healthy(_Broken):
     name = "broken_healthy"
 
@@ -203,3 +228,18 @@ class StrayEmission(_Broken):
 class NeverFinishes(_Broken):
     name = "broken_never_finishes"
     fault = "never_done"
+
+
+class UnsendableOutput(_Broken):
+    name = "broken_unsendable_output"
+    fault = "unsendable_output"
+
+
+class UnsendableOutputWhenAsked(UnsendableOutput):
+    name = "broken_unsendable_output_when_asked"
+    only_asked = True
+
+
+class UnsendableItem(_TwoStage):
+    name = "broken_unsendable_item"
+    fault = "unsendable_item"
