@@ -167,7 +167,7 @@ class Rig:
         consumer = self.consumer[edge]
         try:
             sent = wire.as_sent(item)
-        except (TypeError, ValueError, OverflowError) as e:
+        except Exception as e:  # the model's data, as in a worker (Stepper.carry_out)
             producer = self.producer[edge]
             by = "process_stream_chunk (client input)" if producer == CLIENT else producer
             self._unsendable(cid, f"{by}: an item on {edge!r}", e)
@@ -199,7 +199,7 @@ class Rig:
             if isinstance(a, eng.PublishOutput):
                 try:
                     wire.check_event(a.data, self.binary_fields)
-                except (TypeError, ValueError, OverflowError) as e:
+                except Exception as e:  # the model's data, as in a worker (Stepper.carry_out)
                     self._unsendable(a.cid, f"{partition}: an output", e)
                     continue
                 rec.outputs[a.cid, partition].append(a.seq)

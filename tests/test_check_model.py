@@ -66,6 +66,8 @@ def test_a_healthy_model_loaded_by_path_passes() -> None:
         ("NeverFinishes", ["the call did not finish in P: 6 steps after its input ended (max_steps 5)"]),
         ("UnsendableOutput", ["failed in P: an output that the wire cannot carry (Encoding objects of type numpy.float32"]),
         ("UnsendableItem", ["failed in P: an item on 'mid' that the wire cannot carry"]),
+        ("NotAnItem", ["the call failed in P (step)"]),
+        ("NotADict", ["the call failed in P (step)"]),
     ],
 )
 def test_a_broken_model_is_caught_naming_what_it_broke(model: str, found: list[str]) -> None:

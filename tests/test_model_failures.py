@@ -5,7 +5,7 @@ breaks the model API (docs/design.md, "A model that fails"). Pure: hand-made par
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ import pytest
 from services.worker.engine import Action, Engine, FailCall, PublishDone, PublishOutput
 from shared.runtime.errors import ModelFailed, Overloaded
 from shared.sdk.chunking import FixedChunkPolicy, Item
-from shared.sdk.model import CallInfo, Emission
+from shared.sdk.model import CallInfo, EdgeItem, Emission, Output
 from shared.sdk.topology import CLIENT, ClientStreamLimits, Connection, PartitionTopology
 from tests.support.audio import pcm_file
 from tests.support.broken_models import SECRET, SlotPartition
@@ -132,6 +132,29 @@ def test_an_emission_on_an_edge_not_the_partitions_fails_that_call_only() -> Non
     assert [a.cid for a in outs] == ["good"]  # none of the failed call's outputs go out
     assert [a.cid for a in actions if isinstance(a, PublishDone)] == ["good"]
     assert part.tally.dropped == {"bad": 1} and part.tally.closed == {"good": 1}
+
+
+@pytest.mark.parametrize(
+    ("emit", "says"),
+    [
+        (lambda cid: EdgeItem(cid, "down", np.zeros(2)), "an EdgeItem on 'down' holding a ndarray, not an Item"),  # type: ignore[arg-type]
+        (lambda cid: Output(cid, "text"), "an Output whose data is a str, not a dict"),  # type: ignore[arg-type]
+    ],
+    ids=["array-for-item", "str-for-dict"],
+)
+def test_an_emission_of_the_wrong_shape_fails_that_call_only(
+    emit: Callable[[str], Emission], says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the worker found it only where it encoded it, and ended there."""
+    e, part = make()
+    for c in ("bad", "good"):
+        e.add_call(c)
+        feed(e, c)
+    batch = e.next_batch()
+    actions = e.complete(batch, [*part.step(batch), emit("bad")])
+    assert list(failed(actions)) == ["bad"]
+    assert [a.cid for a in actions if isinstance(a, PublishDone)] == ["good"]
+    assert f"partition P emitted {says}, for bad" in caplog.text
 
 
 def test_an_emission_for_a_call_the_step_was_not_given_is_dropped_and_fails_nothing(

@@ -485,15 +485,26 @@ class Engine:
         for e in emitted:
             if e.cid not in given:
                 stray.append(e.cid)
-            elif isinstance(e, EdgeItem) and e.edge not in self.outputs and e.cid not in broken:
+            elif e.cid not in broken and (wrong := self._malformed(e)):
                 broken[e.cid] = "step"
                 self.stats.model_errors += 1
-                log.error("partition %s emitted on %r, not one of its edges %s, for %s", self.name, e.edge, self.outputs, e.cid)
+                log.error("partition %s emitted %s, for %s", self.name, wrong, e.cid)
         if stray:
             self.stats.stray_emissions += len(stray)
             self.stats.model_errors += 1
             log.error("partition %s emitted for calls its step was not given (dropped): %s", self.name, sorted(set(stray))[:8])
         return broken
+
+    def _malformed(self, e: Emission) -> str | None:
+        """How an emission breaks the API's shapes, the call's fault alone; None if it does not.
+        (What the wire cannot carry of well-shaped data is found where it is encoded.)"""
+        if isinstance(e, Output):
+            return None if isinstance(e.data, dict) else f"an Output whose data is a {type(e.data).__name__}, not a dict"
+        if e.edge not in self.outputs:
+            return f"on {e.edge!r}, not one of its edges {self.outputs}"
+        if not isinstance(e.item, Item):
+            return f"an EdgeItem on {e.edge!r} holding a {type(e.item).__name__}, not an Item"
+        return None
 
     def _consumer_walks(self, emitted: list[Emission], batch: list[StepInput], broken: dict[str, str]) -> dict[int, str]:
         """The consumer's walk for each edge item on a walk-driving edge (id of the emission ->

@@ -96,7 +96,7 @@ class Stepper:
             if isinstance(a, eng.PublishOutput | eng.PublishEdgeItem):
                 try:
                     body = self._encoded(a, partition)
-                except (TypeError, ValueError, OverflowError) as e:
+                except Exception as e:  # the model's data (our own bug would show in the log line too)
                     failed.add(a.cid)
                     await self._unsendable(a, partition, e)
                     continue

@@ -51,6 +51,8 @@ FAULTS = (
     "never_done",  # wants a step for ever: no call ever finishes
     "unsendable_output",  # an output holding a numpy scalar, which no client encoding carries
     "unsendable_item",  # an item on edge "mid" holding one in its meta (a _TwoStage model's P)
+    "not_item",  # an EdgeItem on edge "mid" holding an array where an Item goes (a _TwoStage model's P)
+    "not_dict",  # an Output whose data is a str
 )
 
 
@@ -111,6 +113,10 @@ class SlotPartition(Partition):
                 out.append(Output(s.cid, {"n": np.float32(1)}))
             if self._faulty("unsendable_item", [s.cid]):
                 out.append(EdgeItem(s.cid, "mid", Item(None, {"n": np.float32(1)})))
+            if self._faulty("not_item", [s.cid]):
+                out.append(EdgeItem(s.cid, "mid", np.zeros(2)))  # type: ignore[arg-type]  # the fault itself
+            if self._faulty("not_dict", [s.cid]):
+                out.append(Output(s.cid, "text"))  # type: ignore[arg-type]  # the fault itself
         if self._faulty("stray", cids):
             others = [c for c in self.tally.seen if c not in cids]
             out.append(Output(others[0] if others else "not-a-call", {"stray": True}))
@@ -243,3 +249,13 @@ class UnsendableOutputWhenAsked(UnsendableOutput):
 class UnsendableItem(_TwoStage):
     name = "broken_unsendable_item"
     fault = "unsendable_item"
+
+
+class NotAnItem(_TwoStage):
+    name = "broken_not_an_item"
+    fault = "not_item"
+
+
+class NotADict(_Broken):
+    name = "broken_not_a_dict"
+    fault = "not_dict"
