@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -28,6 +26,7 @@ from services.worker.service import WorkerService
 from shared.bus import subjects, wire
 from shared.runtime.config import ServingConfig
 from shared.sdk.chunking import Item
+from tests.support.bus import StandInBus
 
 SAMPLES = 1280  # 80 ms of 16 kHz audio: what a client sends every 80 ms
 
@@ -39,37 +38,9 @@ class _Msg:
     headers: dict[str, str] | None = None
 
 
-class _Bus:
-    """The worker's connection, standing in: publishes are kept, reads find nothing."""
-
-    reads_direct = True
-
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
-
-    async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
-        self.published.append((subject, body))
-
-    async def store(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> int:
-        return 1
-
-    async def store_once(self, subject: str, body: bytes, *args: Any) -> int:
-        return 1
-
-    async def subscribe_direct(self, subject: str, handler: Any) -> object:
-        return object()
-
-    def is_stored(self, m: Any) -> bool:
-        return False
-
-    async def read_stored(self, *args: Any, **kwargs: Any) -> AsyncIterator[tuple[str, bytes, int]]:
-        for _ in ():
-            yield "", b"", 0
-
-
-async def _worker(partition: str, cids: list[str], binary: bool) -> tuple[WorkerService, _Bus]:
+async def _worker(partition: str, cids: list[str], binary: bool) -> tuple[WorkerService, StandInBus]:
     w = WorkerService(ServingConfig(), "echo", partitions=[partition], worker_id=f"bench-{partition}")
-    bus = _Bus()
+    bus = StandInBus()
     w._bus = bus  # type: ignore[assignment]
     for cid in cids:
         await w.assignment.assign(wire.Assign(cid=cid, model="echo", partitions=[partition], binary=binary))

@@ -36,6 +36,7 @@ from shared.sdk.topology import (
     find_client_streams,
 )
 from tests.support import wire_next
+from tests.support.bus import StandInBus
 
 
 def by_meta(ctx: ProducerWalkCtx) -> str:
@@ -413,16 +414,6 @@ def test_the_walk_travels_with_an_edge_item_and_a_1_0_reader_ignores_it() -> Non
 # -- the worker shell ----------------------------------------------------------------------
 
 
-class _Publishes:
-    """A stand-in bus that keeps what is published."""
-
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
-
-    async def publish(self, subject: str, body: bytes) -> None:
-        self.published.append((subject, body))
-
-
 def _worker(monkeypatch: pytest.MonkeyPatch, partitions: list[str]) -> WorkerService:
     monkeypatch.setattr(service, "served_model", lambda name: WalkModel())
     w = WorkerService(parse_config({}), "walks", partitions)
@@ -434,7 +425,7 @@ def _worker(monkeypatch: pytest.MonkeyPatch, partitions: list[str]) -> WorkerSer
 
 async def test_the_worker_publishes_the_walk_with_the_item_and_hands_it_over_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
     w = _worker(monkeypatch, ["P", "Q"])
-    bus = _Publishes()
+    bus = StandInBus()
     w.stepper.ctx = dataclasses.replace(w.stepper.ctx, bus_of=lambda: cast(BusConnection, bus))
     await w.stepper.carry_out([eng.PublishEdgeItem("c", "down", 0, Item(None, {"k": 1}), "a")], "P")
     [(subject, body)] = bus.published

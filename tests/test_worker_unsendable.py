@@ -24,23 +24,16 @@ from shared.bus.connection import BusConnection
 from shared.runtime.config import parse_config
 from shared.runtime.errors import ModelFailed, WorkerFailed
 from shared.sdk.chunking import Item
+from tests.support.bus import StandInBus
 
 
-class _Publishes:
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
-
-    async def publish(self, subject: str, body: bytes) -> None:
-        self.published.append((subject, body))
-
-
-def _echo_worker(cids: list[str]) -> tuple[WorkerService, _Publishes]:
+def _echo_worker(cids: list[str]) -> tuple[WorkerService, StandInBus]:
     w = WorkerService(parse_config({}), "echo", ["Encoder", "Talker"])
     for cid in cids:
         w.intake.calls[cid] = AssignedCall(cid, ["Encoder", "Talker"])
         for r in w.runners.values():
             r.engine.add_call(cid)
-    bus = _Publishes()
+    bus = StandInBus()
     w.stepper.ctx = dataclasses.replace(w.stepper.ctx, bus_of=lambda: cast(BusConnection, bus))
     return w, bus
 

@@ -10,8 +10,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import msgspec
-
 from services.worker import engine as eng
 from services.worker.calls import Context, Runner
 from services.worker.intake import Intake
@@ -125,15 +123,12 @@ class Stepper:
         """The message's body; raises where the model emitted what the wire cannot carry (an
         output or meta value msgspec cannot encode, such as a numpy scalar; an object array)."""
         if isinstance(a, eng.PublishEdgeItem):
-            return wire.encode(wire.EdgeItemMsg(seq=a.seq, item=wire.WireItem.from_item(a.item), walk=a.walk))
+            return wire.edge_item(a.seq, a.item, a.walk)
         # In the encoding its client reads (the frontend relays it as it is).
         call = self.intake.calls.get(a.cid)
-        if call is not None and call.binary:
-            packed = wire.pack_event(a.data, self.ctx.binary_fields)
-            out = wire.OutputMsg(partition=partition, seq=a.seq, json=packed, sent_ns=time.time_ns(), packed=True)
-        else:
-            out = wire.OutputMsg(partition=partition, seq=a.seq, json=msgspec.json.encode(a.data), sent_ns=time.time_ns())
-        return wire.encode(out)
+        packed = call is not None and call.binary
+        event = wire.event_body(a.data, packed, self.ctx.binary_fields)
+        return wire.encode(wire.OutputMsg(partition=partition, seq=a.seq, json=event, sent_ns=time.time_ns(), packed=packed))
 
     async def _unsendable(self, a: eng.PublishOutput | eng.PublishEdgeItem, partition: str, error: Exception) -> None:
         what = "an output" if isinstance(a, eng.PublishOutput) else f"an item on {a.edge!r}"

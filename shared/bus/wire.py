@@ -369,18 +369,30 @@ def decode_as(data: bytes, kind: type[_T]) -> _T:
     return msg
 
 
+def edge_item(seq: int, item: Item, walk: str = "") -> bytes:
+    """An edge item's message. Raises (TypeError, ValueError) where the model's item holds
+    what the wire cannot carry: a value msgspec cannot encode, such as a numpy scalar in its
+    meta, or an array of objects."""
+    return encode(EdgeItemMsg(seq=seq, item=WireItem.from_item(item), walk=walk))
+
+
 def as_sent(item: Item) -> Item:
     """The item as a partition in another process gets it: encoded and decoded, so its array
-    is read-only and its meta is what msgpack gives back (lists for tuples). Raises TypeError
-    or ValueError where the wire cannot carry it (`duplexbus check-model` finds it so)."""
-    return decode_as(encode(EdgeItemMsg(seq=0, item=WireItem.from_item(item))), EdgeItemMsg).item.to_item()
+    is read-only and its meta is what msgpack gives back (lists for tuples). Raises as
+    `edge_item` does (`duplexbus check-model` finds it so)."""
+    return decode_as(edge_item(0, item), EdgeItemMsg).item.to_item()
+
+
+def event_body(data: dict[str, Any], packed: bool, binary_fields: Collection[str]) -> bytes:
+    """An output event as its client reads it: JSON text, or packed (`pack_event`) for a call
+    opened in msgpack. Raises (TypeError, ValueError) where a value cannot be encoded."""
+    return pack_event(data, binary_fields) if packed else msgspec.json.encode(data)
 
 
 def check_event(data: dict[str, Any], binary_fields: Collection[str]) -> None:
-    """Raises TypeError or ValueError where an output event cannot reach a client in either
-    encoding (a value msgspec cannot encode, such as a numpy scalar)."""
-    msgspec.json.encode(data)
-    pack_event(data, binary_fields)
+    """Raises where an output event cannot reach a client in either encoding."""
+    for packed in (False, True):
+        event_body(data, packed, binary_fields)
 
 
 # -- output events -------------------------------------------------------------

@@ -166,3 +166,33 @@ def own_nats_server(prefix: str) -> Iterator[NatsServer]:
     temporary folder that goes with it."""
     with tempfile.TemporaryDirectory(prefix=prefix) as store, NatsServer(store) as server:
         yield server
+
+
+class StandInBus:
+    """A worker's connection, standing in (a `WorkerService` run by hand: the worker's
+    benchmark, the tests of its shell): publishes are kept, stores succeed, reads find
+    nothing."""
+
+    reads_direct = True
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.published.append((subject, body))
+
+    async def store(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+        return 1
+
+    async def store_once(self, subject: str, body: bytes, *args: Any) -> int:
+        return 1
+
+    async def subscribe_direct(self, subject: str, handler: Any) -> object:
+        return object()
+
+    def is_stored(self, m: Any) -> bool:
+        return False
+
+    async def read_stored(self, *args: Any, **kwargs: Any) -> AsyncIterator[tuple[str, bytes, int]]:
+        for _ in ():
+            yield "", b"", 0
