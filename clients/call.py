@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import sys
 import time
@@ -35,6 +36,8 @@ def read_wav(path: str, rate: int | None = SAMPLE_RATE) -> tuple[np.ndarray, int
     and that rate; SystemExit with the reason where it cannot."""
     import soundfile
 
+    if not os.path.isfile(path):  # (libsndfile says only "System error")
+        raise SystemExit(f"{path}: no such file")
     try:
         data, got = soundfile.read(path, dtype="float32", always_2d=True)
     except (OSError, RuntimeError, soundfile.LibsndfileError) as e:

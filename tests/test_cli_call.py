@@ -75,6 +75,11 @@ def test_refuses_a_file_that_is_not_audio(tmp_path: Path) -> None:
         read_wav(str(path))
 
 
+def test_a_missing_file_is_named_so(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"no\.wav: no such file$"):
+        read_wav(str(tmp_path / "no.wav"))
+
+
 def test_a_server_that_is_down_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "ok.wav"
     path.write_bytes(encode_wav(tone(16000, 0.2), 16000))
